@@ -1,0 +1,808 @@
+"""The portable layer: ``Broker``, ``Subscription`` and ``Message``.
+
+Everything that must behave the same on every backend happens here, once: validation and
+encoding before anything is sent, limit checks against the declared capabilities, batch
+chunking, the consume loop with retry/backoff, the dead-letter decision after
+``max_attempts``, settlement bookkeeping, and translation of stray driver exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from types import MappingProxyType
+from typing import Any
+
+from . import codec, names
+from .capabilities import Capabilities, Feature
+from .driver import Driver, DriverSubscription
+from .errors import (
+    AlreadySettled,
+    Closed,
+    InvalidArgument,
+    MessageTooLarge,
+    MQError,
+    PublishError,
+    ValidationError,
+)
+from .model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, OutgoingMessage, utc
+from .url import BrokerURL, redact
+
+__all__ = ["Backoff", "Broker", "ConsumeStats", "Message", "Subscription"]
+
+log = logging.getLogger("mqabstract")
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+def _translate(exc: Exception, backend: str) -> MQError:
+    """Wrap an exception a driver let escape; MQErrors pass through unchanged."""
+    if isinstance(exc, MQError):
+        return exc
+    err = MQError(f"{backend}: unexpected {type(exc).__name__}: {redact(str(exc))}")
+    err.__cause__ = exc
+    return err
+
+
+def _check_seconds(value: object, what: str, maximum: float, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{what} must be a number of seconds, not {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (not allow_zero and seconds == 0):
+        bound = "≥ 0" if allow_zero else "> 0"
+        raise InvalidArgument(f"{what} must be finite and {bound}, got {value!r}")
+    if seconds > maximum:
+        raise InvalidArgument(f"{what}={seconds:g}s exceeds this backend's maximum of {maximum:g}s")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Redelivery delay after a handler failure: ``initial * multiplier**(attempt-1)``."""
+
+    initial: float = 1.0
+    multiplier: float = 2.0
+    maximum: float = 300.0
+    jitter: float = 0.1  #: ± fraction applied at random, so failing consumers don't stampede
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.maximum, self.initial * self.multiplier ** max(0, attempt - 1))
+        if self.jitter:
+            base *= 1 + random.uniform(-self.jitter, self.jitter)
+        return max(0.0, min(self.maximum, base))
+
+
+@dataclass
+class ConsumeStats:
+    """What a ``consume`` run did."""
+
+    received: int = 0
+    acked: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    failed: int = 0  #: handler raised
+
+
+class Message:
+    """A received message, leased to this consumer until settled or the lease expires.
+
+    ``id`` is stable across redeliveries; ``attempt`` is 1 on first delivery. Settle it with
+    exactly one of ``ack``, ``nack`` or ``dead_letter``; repeating the same call is a no-op.
+    """
+
+    __slots__ = (
+        "_published_ts",
+        "_receipt",
+        "_state",
+        "_sub",
+        "attempt",
+        "body",
+        "headers",
+        "id",
+        "key",
+        "priority",
+        "topic",
+    )
+
+    def __init__(self, delivery: Delivery, sub: Subscription) -> None:
+        self.id: str = delivery.id
+        self.topic: str = delivery.topic
+        self.body: bytes = delivery.body
+        self.headers: Mapping[str, str] = (
+            MappingProxyType(dict(delivery.headers)) if delivery.headers else _EMPTY
+        )
+        self.key: str | None = delivery.key
+        self.priority: int = delivery.priority
+        self.attempt: int = delivery.attempt
+        self._published_ts = delivery.published_at
+        self._receipt = delivery.receipt
+        self._sub = sub
+        self._state: str | None = None
+
+    @property
+    def value(self) -> Any:
+        """The body decoded by its content-type: JSON → objects, text → str, else bytes."""
+        return codec.decode(self.body, self.headers.get(codec.CONTENT_TYPE))
+
+    @property
+    def published_at(self) -> datetime:
+        """When the publisher sent it (UTC)."""
+        return utc(self._published_ts)
+
+    @property
+    def settled(self) -> bool:
+        """True once acked, nacked or dead-lettered."""
+        return self._state is not None
+
+    def _begin(self, op: str) -> bool:
+        """Mark the message settled by ``op``; False if it already was by the same op."""
+        if self._state == op:
+            return False
+        if self._state is not None:
+            raise AlreadySettled(f"message {self.id} was already {self._state}")
+        self._sub._check_open()
+        self._state = op
+        return True
+
+    def ack(self) -> None:
+        """Done: remove the message for this group. A second ack is a no-op."""
+        if self._begin("acked"):
+            self._sub._settle_ack(self)
+
+    def nack(self, delay: float = 0.0) -> None:
+        """Give the message back for redelivery after ``delay`` seconds.
+
+        On the group's final attempt the message is dead-lettered instead, since it has then
+        been delivered ``max_attempts`` times without an ack.
+        """
+        if self._state is None:
+            self._sub._check_nack(delay)
+        if self._begin("nacked"):
+            self._sub._settle_nack(self, float(delay))
+
+    def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
+        """Move the message to the group's dead-letter store now, with ``reason``."""
+        if not isinstance(reason, str):
+            raise InvalidArgument("reason must be a str")
+        if self._state is None:
+            self._sub._broker._require(Feature.DEAD_LETTER)
+        if self._begin("dead-lettered"):
+            self._sub._settle_dead(self, reason, self.attempt)
+
+    def extend(self, seconds: float) -> None:
+        """Renew the lease: keep the message ours for ``seconds`` from now."""
+        if self._state is not None:
+            raise AlreadySettled(f"message {self.id} was already {self._state}")
+        self._sub._extend(self, seconds)
+
+    def __repr__(self) -> str:
+        return (
+            f"Message(id={self.id!r}, topic={self.topic!r}, attempt={self.attempt}, "
+            f"bytes={len(self.body)})"
+        )
+
+
+class Subscription:
+    """A consumer attached to a group; messages of the group are shared among its consumers."""
+
+    def __init__(self, broker: Broker, spec: GroupSpec, inner: DriverSubscription) -> None:
+        self._broker = broker
+        self._inner = inner
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._unsettled: set[Message] = set()
+        self._closed = False
+        self._stop = threading.Event()
+
+    @property
+    def group(self) -> str:
+        return self.spec.name
+
+    @property
+    def pattern(self) -> str:
+        return self.spec.pattern
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed(f"subscription to group {self.spec.name!r} is closed")
+        self._broker._check_open()
+
+    # -- receiving ---------------------------------------------------------------------
+    def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]:
+        """Return up to ``max_messages`` messages, waiting up to ``wait`` seconds for the first.
+
+        Returns an empty list when nothing arrived in time. Messages that have already been
+        delivered ``max_attempts`` times are moved to the dead-letter store, not returned.
+        """
+        self._check_open()
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise InvalidArgument(f"max_messages must be an int ≥ 1, got {max_messages!r}")
+        wait = _check_seconds(wait, "wait", math.inf)
+        caps = self._broker.capabilities
+        deadline = time.monotonic() + wait
+        out: list[Message] = []
+        spec = self.spec
+        dead_letters = caps.supports(Feature.DEAD_LETTER)
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            want = min(max_messages - len(out), caps.max_receive)
+            try:
+                batch = self._inner.receive(want, remaining)
+            except Exception as exc:
+                raise self._broker._translate(exc) from exc
+            for delivery in batch:
+                if dead_letters and delivery.attempt > spec.max_attempts:
+                    self._expire(delivery)
+                    continue
+                out.append(Message(delivery, self))
+            if out or remaining <= 0 or self._closed:
+                break
+        if out:
+            with self._lock:
+                self._unsettled.update(out)
+        return out
+
+    def _expire(self, delivery: Delivery) -> None:
+        reason = f"max attempts ({self.spec.max_attempts}) exceeded"
+        try:
+            self._inner.dead_letter(delivery.receipt, reason, delivery.attempt - 1)
+        except Exception as exc:
+            raise self._broker._translate(exc) from exc
+
+    # -- settlement (called by Message) ---------------------------------------------------
+    def _forget(self, msg: Message) -> None:
+        with self._lock:
+            self._unsettled.discard(msg)
+
+    def _settle_ack(self, msg: Message) -> None:
+        self._forget(msg)
+        try:
+            self._inner.ack((msg._receipt,))
+        except Exception as exc:
+            raise self._broker._translate(exc) from exc
+
+    def _check_nack(self, delay: object) -> None:
+        self._check_open()
+        caps = self._broker.capabilities
+        seconds = _check_seconds(delay, "nack delay", caps.max_delay)
+        if seconds > 0:
+            self._broker._require(Feature.NACK_DELAY)
+
+    def _settle_nack(self, msg: Message, delay: float) -> None:
+        self._forget(msg)
+        try:
+            if msg.attempt >= self.spec.max_attempts and self._broker.capabilities.supports(
+                Feature.DEAD_LETTER
+            ):
+                reason = f"nacked on final attempt ({msg.attempt} of {self.spec.max_attempts})"
+                self._inner.dead_letter(msg._receipt, reason, msg.attempt)
+            else:
+                self._inner.nack(msg._receipt, delay)
+        except Exception as exc:
+            raise self._broker._translate(exc) from exc
+
+    def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None:
+        self._forget(msg)
+        try:
+            self._inner.dead_letter(msg._receipt, reason[:1000], attempts)
+        except Exception as exc:
+            raise self._broker._translate(exc) from exc
+
+    def _extend(self, msg: Message, seconds: object) -> None:
+        self._check_open()
+        self._broker._require(Feature.LEASE_EXTEND)
+        value = _check_seconds(seconds, "extend", self._broker.capabilities.max_lease, False)
+        try:
+            self._inner.extend(msg._receipt, value)
+        except Exception as exc:
+            raise self._broker._translate(exc) from exc
+
+    # -- push-style loop ------------------------------------------------------------------
+    def consume(
+        self,
+        handler: Callable[[Message], object],
+        *,
+        max_messages: int | None = None,
+        idle_timeout: float | None = None,
+        batch: int = 10,
+        wait: float = 1.0,
+        backoff: Backoff | None = None,
+        stop: threading.Event | None = None,
+    ) -> ConsumeStats:
+        """Call ``handler`` for each message until stopped; return what happened.
+
+        A handler that returns acks the message (unless it settled it itself); one that
+        raises gets the message nacked with exponential ``backoff``, and dead-lettered with
+        the exception as reason once ``max_attempts`` deliveries are used up. The loop ends
+        after ``max_messages`` messages, after ``idle_timeout`` seconds without any, when
+        ``stop`` is set, or when ``Subscription.stop()`` is called. Retryable broker errors
+        (a dropped connection) are retried with backoff; others propagate.
+        """
+        backoff = backoff or Backoff()
+        stats = ConsumeStats()
+        caps = self._broker.capabilities
+        can_delay = caps.supports(Feature.NACK_DELAY)
+        can_dead = caps.supports(Feature.DEAD_LETTER)
+        last_message = time.monotonic()
+        failures = 0
+        self._stop.clear()
+
+        def stopping() -> bool:
+            return self._stop.is_set() or (stop is not None and stop.is_set())
+
+        while not stopping():
+            if max_messages is not None and stats.received >= max_messages:
+                break
+            want = batch if max_messages is None else min(batch, max_messages - stats.received)
+            poll = wait
+            if idle_timeout is not None:
+                left = idle_timeout - (time.monotonic() - last_message)
+                if left <= 0:
+                    break
+                poll = min(wait, left)
+            try:
+                messages = self.receive(want, poll)
+                failures = 0
+            except MQError as exc:
+                if not exc.retryable or self._closed:
+                    raise
+                failures += 1
+                pause = backoff.delay(failures)
+                log.warning("consume: %s; retrying in %.1fs", exc, pause)
+                if (stop or self._stop).wait(pause):
+                    break
+                continue
+            if messages:
+                last_message = time.monotonic()
+            for msg in messages:
+                stats.received += 1
+                try:
+                    handler(msg)
+                except Exception as exc:
+                    stats.failed += 1
+                    if msg.settled:
+                        continue
+                    reason = f"{type(exc).__name__}: {exc}"
+                    if can_dead and msg.attempt >= self.spec.max_attempts:
+                        log.warning("consume: %s dead-lettered after %d attempts: %s",
+                                    msg.id, msg.attempt, reason)
+                        msg.dead_letter(reason)
+                        stats.dead_lettered += 1
+                    else:
+                        msg.nack(backoff.delay(msg.attempt) if can_delay else 0.0)
+                        stats.retried += 1
+                    continue
+                if not msg.settled:
+                    msg.ack()
+                    stats.acked += 1
+        return stats
+
+    def stop(self) -> None:
+        """Ask a running ``consume`` loop (in any thread) to return after its current message."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Detach. Unsettled messages are handed back for redelivery at once (idempotent)."""
+        if self._closed:
+            return
+        self._stop.set()
+        with self._lock:
+            pending = list(self._unsettled)
+            self._unsettled.clear()
+        for msg in pending:
+            if msg._state is None:
+                msg._state = "released"
+                try:
+                    self._inner.nack(msg._receipt, 0.0)
+                except Exception as exc:  # the connection may be gone; leases expire anyway
+                    log.debug("close: could not release %s: %s", msg.id, redact(str(exc)))
+        self._closed = True
+        self._broker._forget(self)
+        try:
+            self._inner.close()
+        except Exception as exc:
+            raise self._broker._translate(exc) from exc
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Subscription(group={self.spec.name!r}, pattern={self.spec.pattern!r}, {state})"
+
+
+class Broker:
+    """A connection to one backend, chosen by URL. Use ``mqabstract.connect()`` to get one."""
+
+    def __init__(self, driver: Driver, url: BrokerURL) -> None:
+        self._driver = driver
+        self._url = url
+        self._caps: Capabilities = driver.capabilities
+        self._clock = getattr(driver, "clock", None)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._subs: set[Subscription] = set()
+
+    # -- introspection --------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The broker URL with secrets redacted."""
+        return self._url.redacted()
+
+    @property
+    def backend(self) -> str:
+        return self._driver.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _now(self) -> float:
+        return self._clock.time() if self._clock is not None else time.time()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed(f"broker {self.url} is closed")
+
+    def _require(self, feature: Feature) -> None:
+        self._caps.require(feature, self._driver.name)
+
+    def _translate(self, exc: Exception) -> MQError:
+        return _translate(exc, self._driver.name)
+
+    # -- publishing -----------------------------------------------------------------------
+    def _envelope(
+        self,
+        topic: str,
+        body: object,
+        headers: Mapping[str, str] | None,
+        key: str | None,
+        priority: int | None,
+        delay: float | None,
+        deliver_at: datetime | None,
+        message_id: str | None,
+        now: float,
+    ) -> Envelope:
+        caps = self._caps
+        names.check_topic(topic)
+        data, content_type = codec.encode(body)
+        if len(data) > caps.max_body_bytes:
+            raise MessageTooLarge(
+                f"body is {len(data)} bytes; {self._driver.name} allows {caps.max_body_bytes}"
+            )
+        out_headers: dict[str, str] = {}
+        if headers:
+            if not isinstance(headers, Mapping):
+                raise InvalidArgument(f"headers must be a mapping, not {type(headers).__name__}")
+            if len(headers) > caps.max_headers:
+                raise MessageTooLarge(
+                    f"{len(headers)} headers; {self._driver.name} allows {caps.max_headers}"
+                )
+            size = 0
+            for name, value in headers.items():
+                if name == codec.CONTENT_TYPE:
+                    if content_type is not None:
+                        raise InvalidArgument(
+                            "content-type is set by the codec for str and JSON bodies; "
+                            "set it yourself only on bytes bodies"
+                        )
+                else:
+                    names.check_header_name(name)
+                names.check_text_value(value, f"header {name!r}")
+                size += len(name.encode()) + len(value.encode())
+                out_headers[name] = value
+            if size > caps.max_header_bytes:
+                raise MessageTooLarge(
+                    f"headers take {size} bytes; {self._driver.name} allows "
+                    f"{caps.max_header_bytes}"
+                )
+        if content_type is not None:
+            out_headers[codec.CONTENT_TYPE] = content_type
+        if key is not None:
+            names.check_key(key)
+        if priority is None:
+            prio = 0
+        else:
+            if isinstance(priority, bool) or not isinstance(priority, int):
+                raise InvalidArgument(f"priority must be an int, not {type(priority).__name__}")
+            if not 0 <= priority <= 9:
+                raise InvalidArgument(f"priority must be 0-9, got {priority}")
+            if priority:
+                self._require(Feature.PRIORITY)
+                if priority > caps.max_priority:
+                    raise InvalidArgument(
+                        f"priority {priority} exceeds {self._driver.name}'s maximum "
+                        f"{caps.max_priority}"
+                    )
+            prio = priority
+        due: float | None = None
+        if delay is not None and deliver_at is not None:
+            raise InvalidArgument("give either delay or deliver_at, not both")
+        if delay is not None:
+            seconds = _check_seconds(delay, "delay", caps.max_delay)
+            if seconds > 0:
+                self._require(Feature.DELAY)
+                due = now + seconds
+        elif deliver_at is not None:
+            if not isinstance(deliver_at, datetime):
+                raise InvalidArgument("deliver_at must be a datetime")
+            if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
+                raise InvalidArgument("deliver_at must be timezone-aware (e.g. tz=timezone.utc)")
+            ts = deliver_at.timestamp()
+            if ts > now:
+                self._require(Feature.DELAY)
+                if ts - now > caps.max_delay:
+                    raise InvalidArgument(
+                        f"deliver_at is {ts - now:g}s away; {self._driver.name} allows "
+                        f"{caps.max_delay:g}s"
+                    )
+                due = ts
+        if message_id is None:
+            message_id = uuid.uuid4().hex
+        else:
+            names.check_id(message_id)
+        return Envelope(message_id, topic, data, out_headers, key, prio, due, now)
+
+    def publish(
+        self,
+        topic: str,
+        body: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        priority: int | None = None,
+        delay: float | None = None,
+        deliver_at: datetime | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Publish one message and wait for the broker's confirmation; return its id.
+
+        ``body``: bytes pass through, str is UTF-8, dict/list/numbers are JSON. ``key`` keeps
+        same-key messages in order (groups declared ``ordered=True``); ``priority`` 0-9,
+        higher first; ``delay`` seconds or ``deliver_at`` (aware datetime) hold it back.
+        ``id`` defaults to a random UUID; set it to let consumers drop duplicates.
+        """
+        self._check_open()
+        env = self._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
+                             self._now())
+        try:
+            self._driver.publish((env,))
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        return env.id
+
+    def publish_batch(
+        self, messages: Iterable[OutgoingMessage | Mapping[str, Any] | tuple[str, Any]]
+    ) -> list[str]:
+        """Publish many messages with few broker round trips; return their ids in order.
+
+        Every message is validated first: one bad message rejects the whole batch with its
+        index (``error.index``) and nothing is sent. If the broker then fails part way,
+        ``PublishError`` lists what was confirmed and what was not.
+        """
+        self._check_open()
+        now = self._now()
+        envelopes: list[Envelope] = []
+        for index, item in enumerate(messages):
+            try:
+                if isinstance(item, OutgoingMessage):
+                    m = item
+                elif isinstance(item, tuple) and len(item) == 2:
+                    m = OutgoingMessage(item[0], item[1])
+                elif isinstance(item, Mapping):
+                    m = OutgoingMessage(**item)
+                else:
+                    raise InvalidArgument(
+                        "batch items must be OutgoingMessage, a mapping, or (topic, body)"
+                    )
+                envelopes.append(
+                    self._envelope(m.topic, m.body, m.headers, m.key, m.priority, m.delay,
+                                   m.deliver_at, m.id, now)
+                )
+            except ValidationError as exc:
+                raise type(exc)(str(exc), index=index) from exc
+            except TypeError as exc:  # bad mapping keys
+                raise InvalidArgument(str(exc), index=index) from exc
+        if not envelopes:
+            return []
+        step = self._caps.max_batch
+        confirmed: list[str] = []
+        for start in range(0, len(envelopes), step):
+            chunk = envelopes[start : start + step]
+            try:
+                self._driver.publish(chunk)
+            except Exception as exc:
+                err = self._translate(exc)
+                if start == 0 and not isinstance(err, PublishError):
+                    raise err from exc
+                failed: dict[int, MQError] = {}
+                if isinstance(err, PublishError):
+                    confirmed.extend(err.published)
+                    failed.update({start + i: e for i, e in err.failed.items()})
+                else:
+                    failed.update({start + i: err for i in range(len(chunk))})
+                not_sent = MQError("not sent: an earlier part of the batch failed")
+                failed.update({i: not_sent for i in range(start + len(chunk), len(envelopes))})
+                raise PublishError(
+                    f"{len(failed)} of {len(envelopes)} messages not confirmed: {err}",
+                    published=confirmed,
+                    failed=failed,
+                ) from exc
+            confirmed.extend(e.id for e in chunk)
+        return confirmed
+
+    # -- groups -----------------------------------------------------------------------------
+    def _spec(
+        self,
+        group: str,
+        pattern: str,
+        max_attempts: int,
+        lease: float,
+        ordered: bool,
+        priority: bool,
+        options: Mapping[str, Any],
+    ) -> GroupSpec:
+        names.check_group(group)
+        names.check_pattern(pattern)
+        if "*" in pattern.split(".") or "#" in pattern.split("."):
+            self._require(Feature.WILDCARDS)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
+            raise InvalidArgument("max_attempts must be an int")
+        if not 1 <= max_attempts <= 1000:
+            raise InvalidArgument(f"max_attempts must be 1-1000, got {max_attempts}")
+        lease = _check_seconds(lease, "lease", self._caps.max_lease, allow_zero=False)
+        if ordered:
+            self._require(Feature.ORDERING)
+        if priority:
+            self._require(Feature.PRIORITY)
+        return GroupSpec(group, pattern, max_attempts, lease, bool(ordered), bool(priority),
+                         dict(options))
+
+    def declare(
+        self,
+        group: str,
+        pattern: str,
+        *,
+        max_attempts: int = 5,
+        lease: float = 30.0,
+        ordered: bool = False,
+        priority: bool = False,
+        **options: Any,
+    ) -> GroupSpec:
+        """Create a durable group on ``pattern`` (idempotent) without consuming.
+
+        From now on the group keeps every message published to a matching topic, whether or
+        not a consumer is attached. ``lease`` is the visibility timeout in seconds;
+        ``max_attempts`` deliveries without ack move a message to the dead-letter store.
+        """
+        self._check_open()
+        spec = self._spec(group, pattern, max_attempts, lease, ordered, priority, options)
+        try:
+            self._driver.declare(spec)
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        return spec
+
+    def subscribe(
+        self,
+        group: str,
+        pattern: str,
+        *,
+        max_attempts: int = 5,
+        lease: float = 30.0,
+        ordered: bool = False,
+        priority: bool = False,
+        **options: Any,
+    ) -> Subscription:
+        """Declare the group (as ``declare``) and attach a consumer to it."""
+        spec = self.declare(
+            group, pattern, max_attempts=max_attempts, lease=lease, ordered=ordered,
+            priority=priority, **options,
+        )
+        try:
+            inner = self._driver.subscribe(spec)
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        sub = Subscription(self, spec, inner)
+        with self._lock:
+            self._subs.add(sub)
+        return sub
+
+    def _forget(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    def _group_call(self, fn: Callable[..., Any], group: str, *args: Any) -> Any:
+        self._check_open()
+        names.check_group(group)
+        try:
+            return fn(group, *args)
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
+    # -- dead letters ---------------------------------------------------------------------
+    def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
+        """List up to ``limit`` dead letters of ``group``, oldest first."""
+        self._require(Feature.DEAD_LETTER)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidArgument(f"limit must be an int ≥ 1, got {limit!r}")
+        return self._group_call(self._driver.dead_letters, group, limit)  # type: ignore[no-any-return]
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:
+        """Move dead letters (all, or those with ``ids``) back into the group as fresh
+        deliveries (attempt 1); return how many moved."""
+        self._require(Feature.DEAD_LETTER)
+        return int(self._group_call(self._driver.replay_dead_letters, group, _ids(ids)))
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:
+        """Delete dead letters (all, or those with ``ids``); return how many were deleted."""
+        self._require(Feature.DEAD_LETTER)
+        return int(self._group_call(self._driver.purge_dead_letters, group, _ids(ids)))
+
+    def stats(self, group: str) -> GroupStats:
+        """Counts of ready, leased, delayed and dead messages in ``group``."""
+        return self._group_call(self._driver.stats, group)  # type: ignore[no-any-return]
+
+    def delete_group(self, group: str) -> None:
+        """Delete ``group`` with its queued and dead messages."""
+        self._group_call(self._driver.delete_group, group)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close subscriptions (releasing their unsettled messages) and the connection.
+
+        Every ``publish`` has already been confirmed when it returned, so nothing is lost.
+        Idempotent; any later call raises ``Closed``.
+        """
+        if self._closed:
+            return
+        with self._lock:
+            subs = list(self._subs)
+        first: BaseException | None = None
+        for sub in subs:
+            try:
+                sub.close()
+            except Exception as exc:
+                first = first or exc
+        self._closed = True
+        try:
+            self._driver.close()
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        if first is not None:
+            raise self._translate(first)  # type: ignore[arg-type]
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Broker({self.url!r}{', closed' if self._closed else ''})"
+
+
+def _ids(ids: Collection[str] | None) -> Collection[str] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, str):
+        raise InvalidArgument("ids must be a collection of message ids, not a str")
+    return frozenset(names.check_id(i) for i in ids)

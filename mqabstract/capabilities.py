@@ -1,0 +1,116 @@
+"""What a backend can do, declared per feature and tested as declared.
+
+The conformance suite reads these values: a feature's tests run wherever it is not
+UNSUPPORTED, and where it is UNSUPPORTED the portable layer raises ``Unsupported``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from .errors import Unsupported
+
+__all__ = ["Capabilities", "Feature", "Support"]
+
+
+class Support(enum.Enum):
+    """How a backend provides a feature."""
+
+    NATIVE = "native"  #: the broker does it
+    EMULATED = "emulated"  #: the driver builds it from other broker features, keeping the contract
+    UNSUPPORTED = "unsupported"  #: using it raises ``Unsupported``
+
+
+class Feature(enum.Enum):
+    """Contract features that a backend may lack. The gate used by the conformance suite."""
+
+    WILDCARDS = "wildcards"  #: ``*`` and ``#`` in group patterns
+    FANOUT = "fanout"  #: every group of a matching pattern gets every message
+    COMPETING = "competing"  #: consumers of one group share its messages
+    LEASE_EXTEND = "lease_extend"  #: ``Message.extend(seconds)``
+    NACK_DELAY = "nack_delay"  #: ``Message.nack(delay>0)``
+    DELAY = "delay"  #: ``publish(delay=...)`` / ``deliver_at=...``
+    PRIORITY = "priority"  #: ``publish(priority=1..9)`` delivered highest first
+    ORDERING = "ordering"  #: same-key messages in publish order (``declare(ordered=True)``)
+    DEAD_LETTER = "dead_letter"  #: dead-letter store with list / replay / purge
+    BATCH = "batch"  #: ``publish_batch`` sends many messages per broker round trip
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    Feature.WILDCARDS: "`*` / `#` patterns",
+    Feature.FANOUT: "fan-out to groups",
+    Feature.COMPETING: "competing consumers",
+    Feature.LEASE_EXTEND: "lease extend",
+    Feature.NACK_DELAY: "nack with delay",
+    Feature.DELAY: "delay / deliver_at",
+    Feature.PRIORITY: "priority 0-9",
+    Feature.ORDERING: "per-key order",
+    Feature.DEAD_LETTER: "dead letters",
+    Feature.BATCH: "batch publish",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A backend's declared features and limits.
+
+    Limits are enforced by the portable layer before anything is sent, so they must be the
+    backend's real limits (moto, for one, accepts values that AWS rejects).
+    """
+
+    features: Mapping[Feature, Support]
+    max_body_bytes: int
+    max_headers: int = 64
+    max_header_bytes: int = 16 * 1024  #: total of header names + values, UTF-8
+    max_delay: float = 365 * 86400.0  #: seconds; longer delays raise InvalidArgument
+    max_batch: int = 1000  #: messages per driver call; the portable layer chunks larger batches
+    max_priority: int = 9
+    max_lease: float = 12 * 3600.0  #: longest lease (visibility timeout / extend), seconds
+    max_receive: int = 1000  #: most messages one driver receive call returns
+    max_consumers_per_group: int | None = None  #: None = unlimited (Kafka: partitions)
+    shared_between_processes: bool = True  #: False for memory://
+    durable: bool = True  #: messages survive a broker restart
+    notes: Mapping[Feature, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = set(Feature) - set(self.features)
+        if missing:
+            names = ", ".join(sorted(f.value for f in missing))
+            raise ValueError(f"capabilities must declare every feature; missing: {names}")
+        object.__setattr__(self, "features", MappingProxyType(dict(self.features)))
+        object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
+
+    def support(self, feature: Feature) -> Support:
+        return self.features[feature]
+
+    def supports(self, feature: Feature) -> bool:
+        """True when the feature is NATIVE or EMULATED."""
+        return self.features[feature] is not Support.UNSUPPORTED
+
+    def require(self, feature: Feature, backend: str) -> None:
+        """Raise ``Unsupported`` naming the backend and feature when it is UNSUPPORTED."""
+        if not self.supports(feature):
+            note = self.notes.get(feature)
+            raise Unsupported(
+                f"{backend} does not support {feature.description}"
+                + (f": {note}" if note else "")
+            )
+
+    def with_features(self, **changes: Support) -> Capabilities:
+        """A copy with some features changed (``priority=Support.UNSUPPORTED``)."""
+        features = dict(self.features)
+        for name, support in changes.items():
+            features[Feature(name)] = support
+        return replace(self, features=features)
+
+    @classmethod
+    def all_native(cls, **limits: object) -> Capabilities:
+        """Every feature NATIVE: the reference backends."""
+        return cls(features={f: Support.NATIVE for f in Feature}, **limits)  # type: ignore[arg-type]

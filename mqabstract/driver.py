@@ -1,0 +1,107 @@
+"""The small interface a backend implements (Go CDK's ``driver`` package, in Python).
+
+Drivers only move bytes with their native client and declare what they can do. Everything
+that must behave the same everywhere — validation, encoding, limits, batching, retry
+policy, the consume loop, dead-letter decisions, error redaction — lives in the portable
+layer (``mqabstract.broker``) and must not be re-implemented here.
+
+Contract for implementers:
+
+* Raise ``mqabstract.errors`` types, chaining the native exception (``raise ... from e``),
+  with messages built from ``url.redacted()`` — never the raw URL.
+* ``publish`` returns only when the broker has confirmed every envelope. On partial failure
+  raise ``PublishError`` listing the confirmed ids and the failed indexes.
+* Receipts are opaque to the portable layer. Settling with a stale receipt (the lease
+  expired and the message went to someone else) must be ignored, not raise.
+* ``Delivery.attempt`` is 1 on first delivery and grows with each redelivery.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar
+
+from .capabilities import Capabilities
+from .errors import Unsupported
+from .model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats
+from .url import BrokerURL
+
+__all__ = ["Driver", "DriverSubscription"]
+
+
+class DriverSubscription(abc.ABC):
+    """One consumer attached to one group."""
+
+    @abc.abstractmethod
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Wait up to ``timeout`` s for at least one message; return at most ``max_messages``."""
+
+    @abc.abstractmethod
+    def ack(self, receipts: Sequence[Any]) -> None:
+        """Remove the messages for this group."""
+
+    @abc.abstractmethod
+    def nack(self, receipt: Any, delay: float) -> None:
+        """Make the message deliverable again after ``delay`` seconds (attempt counts up)."""
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        """Renew the lease: the message stays ours for ``seconds`` from now."""
+        raise Unsupported("lease extend is not supported by this backend")
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        """Move the message to the group's dead-letter store."""
+        raise Unsupported("dead letters are not supported by this backend")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Detach; unsettled messages become deliverable again (idempotent)."""
+
+
+class Driver(abc.ABC):
+    """One connection to one broker."""
+
+    #: Short backend name used in errors and the capability table ("rabbitmq").
+    name: ClassVar[str] = "driver"
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> Driver:
+        """Connect. Raise ``ConnectionFailed`` naming the redacted URL within the timeout."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend can do and its limits."""
+
+    @abc.abstractmethod
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        """Send and wait for the broker's confirmation of every envelope."""
+
+    @abc.abstractmethod
+    def declare(self, spec: GroupSpec) -> None:
+        """Create the group if missing (idempotent). Messages published before are not its."""
+
+    @abc.abstractmethod
+    def subscribe(self, spec: GroupSpec) -> DriverSubscription:
+        """Attach a consumer to a declared group."""
+
+    def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
+        raise Unsupported("dead letters are not supported by this backend")
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        raise Unsupported("dead letters are not supported by this backend")
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        raise Unsupported("dead letters are not supported by this backend")
+
+    def stats(self, group: str) -> GroupStats:
+        return GroupStats(group, None, None, None, None)
+
+    def delete_group(self, group: str) -> None:
+        """Remove a group, its queued messages and its dead letters."""
+        raise Unsupported("deleting groups is not supported by this backend")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections (idempotent). Publishes have already been confirmed."""

@@ -1,0 +1,119 @@
+"""One exception hierarchy for every backend.
+
+Every error says whether retrying the same call can help (``retryable``). Native client
+exceptions are chained with ``raise ... from exc`` and never leak raw. Messages never
+contain secrets: drivers build them from the redacted URL.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadySettled",
+    "Closed",
+    "ConnectionFailed",
+    "DecodeError",
+    "EncodeError",
+    "InvalidArgument",
+    "InvalidName",
+    "InvalidURL",
+    "MQError",
+    "MessageTooLarge",
+    "MissingDependency",
+    "NotFound",
+    "PublishError",
+    "Timeout",
+    "Unsupported",
+    "ValidationError",
+]
+
+
+class MQError(Exception):
+    """Base of every mqabstract error.
+
+    ``retryable`` tells a caller whether the same call may succeed later; ``index`` is set
+    when the error concerns one message of a batch (its position in the batch).
+    """
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, index: int | None = None) -> None:
+        if index is not None:
+            message = f"message #{index}: {message}"
+        super().__init__(message)
+        self.index = index
+
+
+class ConnectionFailed(MQError):
+    """The broker could not be reached or the connection broke; retrying can help."""
+
+    retryable = True
+
+
+class Timeout(MQError):
+    """The broker did not answer within the configured time; retrying can help."""
+
+    retryable = True
+
+
+class Closed(MQError):
+    """The broker, subscription or message's subscription was already closed."""
+
+
+class Unsupported(MQError):
+    """The backend declares this feature UNSUPPORTED in its capabilities."""
+
+
+class NotFound(MQError):
+    """A group, dead letter or other named object does not exist."""
+
+
+class AlreadySettled(MQError):
+    """A message was already acked, nacked or dead-lettered with a different outcome."""
+
+
+class MissingDependency(MQError):
+    """A backend's client library is not installed (install the matching extra)."""
+
+
+class ValidationError(MQError):
+    """Bad input, rejected before anything was sent."""
+
+
+class InvalidName(ValidationError):
+    """A topic, pattern, group or header name breaks the naming rules."""
+
+
+class InvalidArgument(ValidationError):
+    """A value (priority, delay, header value, key, id, option) is out of range or typed wrong."""
+
+
+class InvalidURL(ValidationError):
+    """The broker URL cannot be parsed or names an unknown scheme."""
+
+
+class MessageTooLarge(ValidationError):
+    """Body or headers exceed the backend's declared limits."""
+
+
+class EncodeError(ValidationError):
+    """The body cannot be encoded (only bytes, str and JSON values are accepted; never pickle)."""
+
+
+class DecodeError(MQError):
+    """A received body does not decode as its content-type says."""
+
+
+class PublishError(MQError):
+    """Some messages of a batch were not confirmed by the broker.
+
+    ``published`` holds the ids that the broker confirmed, ``failed`` maps batch index to
+    the error for each message that was not confirmed. Retrying the failed ones is safe:
+    ids are kept, so consumers can drop duplicates.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, *, published: list[str], failed: dict[int, MQError]):
+        super().__init__(message)
+        self.published = published
+        self.failed = failed

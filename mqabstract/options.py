@@ -1,0 +1,69 @@
+"""Driver options from URL query parameters and ``connect(**options)``, typed and checked.
+
+Each driver declares ``OPTIONS``; unknown names and unparsable values are rejected before
+any connection is made, with the list of options the backend knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgument
+from .url import BrokerURL, _is_secret_param
+
+__all__ = ["Option", "parse_options"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option a driver accepts: its type, default and a one-line help text."""
+
+    type: type
+    default: Any = None
+    help: str = ""
+
+
+def _convert(name: str, raw: Any, opt: Option) -> Any:
+    if opt.type is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    elif opt.type in (int, float):
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return opt.type(raw)
+        try:
+            return opt.type(str(raw).strip())
+        except ValueError:
+            pass
+    elif opt.type is str:
+        if isinstance(raw, str):
+            return raw
+    elif isinstance(raw, opt.type):
+        return raw
+    shown = "***" if _is_secret_param(name) else repr(raw)
+    raise InvalidArgument(f"option {name}={shown} is not a valid {opt.type.__name__}")
+
+
+def parse_options(
+    url: BrokerURL, kwargs: Mapping[str, Any], spec: Mapping[str, Option], backend: str
+) -> dict[str, Any]:
+    """Merge URL query parameters and keyword options (keywords win) into typed values."""
+    merged: dict[str, Any] = dict(url.params)
+    merged.update(kwargs)
+    unknown = sorted(set(merged) - set(spec))
+    if unknown:
+        known = ", ".join(sorted(spec)) or "none"
+        raise InvalidArgument(f"unknown {backend} option(s) {', '.join(unknown)}; known: {known}")
+    out = {name: opt.default for name, opt in spec.items()}
+    for name, raw in merged.items():
+        out[name] = _convert(name, raw, spec[name])
+    return out
