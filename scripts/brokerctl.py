@@ -837,6 +837,18 @@ def _instance(kind: str, root: Path, python: str | None) -> _Managed:
     return PRIVATE[kind](port, root, python)  # type: ignore[call-arg]
 
 
+def _booting_elsewhere(inst: _Managed, timeout: float) -> bool:
+    """True when a broker we did not start holds *inst*'s port and becomes ready in time."""
+    deadline = time.monotonic() + timeout
+    while port_open(inst.port):
+        if inst.ready():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return False
+
+
 def up(
     kinds: list[str], python: str | None = None, state_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, str]:
@@ -859,8 +871,8 @@ def up(
                 else:
                     if kind == "rabbitmq":
                         ensure_rabbitmq_installed()
-                        # apt may have started the system service on the default port
-                        if not inst.running() and inst.ready():
+                        # apt may have started the system service on this port: let it boot
+                        if not inst.running() and _booting_elsewhere(inst, 60.0):
                             outcome[kind] = "reusing the freshly installed system service"
                             continue
                     took = inst.start()
