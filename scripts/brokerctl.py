@@ -497,7 +497,8 @@ class PrivateRabbit(_Managed):
     It never reads /etc/rabbitmq nor shares anything with a system node except epmd, so
     tests can stop and restart it freely. Node ``mqabstract-<port>@localhost``; Erlang
     distribution port ``port + 20100`` (5673 -> 25773), clear of the system node's 25672.
-    Data survives ``restart`` (durable queues and persistent messages persist).
+    Data survives ``restart`` (durable queues and persistent messages persist); with
+    ``fresh=True`` (default) the first ``start`` wipes data left by an earlier session.
     """
 
     kind = "rabbitmq"
@@ -507,8 +508,10 @@ class PrivateRabbit(_Managed):
         port: int = 5673,
         state_dir: str | os.PathLike[str] | None = None,
         dist_port: int | None = None,
+        fresh: bool = True,
     ) -> None:
         super().__init__(port, state_dir)
+        self._wipe = fresh  # first start drops data an earlier session left; restart keeps it
         self.dist_port = dist_port or port + 20100
         self.node = f"mqabstract-{port}@localhost"
         self.home = self.dir / "home"
@@ -572,6 +575,9 @@ class PrivateRabbit(_Managed):
 
     def _launch(self) -> int:
         ensure_rabbitmq_installed()
+        if self._wipe:
+            shutil.rmtree(self.dir / "mnesia", ignore_errors=True)
+            self._wipe = False
         self._prepare()
         epmd_was_up = epmd_running()
         argv = [rabbit_script("rabbitmq-server"), "-detached"]
