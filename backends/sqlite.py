@@ -1,0 +1,676 @@
+"""Embedded durable backend on the standard library's ``sqlite3`` (WAL mode).
+
+``sqlite:///relative/path.db`` (relative to the working directory) or
+``sqlite:////absolute/path.db`` — the SQLAlchemy convention. The parent directory is created
+on open. One file is shared safely by any number of processes and threads on one machine:
+
+* every write is one ``BEGIN IMMEDIATE`` transaction (the busy handler waits for the write
+  lock; a lock that stays busy past ``busy_timeout`` raises the retryable ``Timeout``);
+* receiving claims rows with a single ``UPDATE ... RETURNING`` that stamps a fresh random
+  lease token, so two consumers never hold the same lease, and a receipt whose token was
+  replaced (the lease expired and someone else took the message) settles nothing;
+* an idle ``receive`` does not touch the tables: it re-queries only when ``PRAGMA
+  data_version`` says another connection committed, a writer in this process signalled a
+  shared ``threading.Condition``, or the earliest lease/delay of the group fell due. The poll
+  interval backs off from ``poll_min`` to ``poll_max``.
+
+Schema: ``mq_queue`` holds one row per (group, message) — a publish is fanned out to every
+matching group inside its transaction, so a group only ever sees messages published after
+it was declared. ``state`` is 0 ready, 1 leased, 2 delayed; ``due`` is when a leased or
+delayed row becomes ready again. Partial indexes keep the ready set ordered by
+(priority desc, seq) and the waiting set ordered by due, so receive and ack are O(log n).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from mqabstract.capabilities import Capabilities
+from mqabstract.clock import Clock, SystemClock
+from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.errors import (
+    Closed,
+    ConnectionFailed,
+    InvalidArgument,
+    InvalidURL,
+    MQError,
+    NotFound,
+    Timeout,
+)
+from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
+from mqabstract.names import pattern_regex
+from mqabstract.options import Option, parse_options
+from mqabstract.url import BrokerURL
+
+__all__ = ["SQLiteDriver"]
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+READY, LEASED, DELAYED = 0, 1, 2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS mq_meta (
+    name  TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS mq_groups (
+    gid          INTEGER PRIMARY KEY,
+    name         TEXT NOT NULL UNIQUE,
+    pattern      TEXT NOT NULL,
+    max_attempts INTEGER NOT NULL,
+    lease        REAL NOT NULL,
+    ordered      INTEGER NOT NULL,
+    created_at   REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS mq_queue (
+    seq          INTEGER PRIMARY KEY,
+    gid          INTEGER NOT NULL,
+    state        INTEGER NOT NULL,
+    due          REAL NOT NULL,
+    priority     INTEGER NOT NULL,
+    attempts     INTEGER NOT NULL,
+    token        INTEGER NOT NULL,
+    key          TEXT,
+    id           TEXT NOT NULL,
+    topic        TEXT NOT NULL,
+    published_at REAL NOT NULL,
+    headers      TEXT,
+    body         BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS mq_queue_ready ON mq_queue (gid, priority DESC, seq)
+    WHERE state = 0;
+CREATE INDEX IF NOT EXISTS mq_queue_waiting ON mq_queue (gid, due) WHERE state <> 0;
+CREATE INDEX IF NOT EXISTS mq_queue_key ON mq_queue (gid, key, seq) WHERE key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS mq_dead (
+    dseq         INTEGER PRIMARY KEY,
+    gid          INTEGER NOT NULL,
+    id           TEXT NOT NULL,
+    topic        TEXT NOT NULL,
+    key          TEXT,
+    priority     INTEGER NOT NULL,
+    published_at REAL NOT NULL,
+    headers      TEXT,
+    body         BLOB NOT NULL,
+    attempts     INTEGER NOT NULL,
+    reason       TEXT NOT NULL,
+    dead_at      REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS mq_dead_gid ON mq_dead (gid, dseq);
+CREATE INDEX IF NOT EXISTS mq_dead_id ON mq_dead (gid, id);
+"""
+
+_INSERT = (
+    "INSERT INTO mq_queue (gid, state, due, priority, attempts, token, key, id, topic,"
+    " published_at, headers, body) VALUES (?, ?, ?, ?, 0, 0, ?, ?, ?, ?, ?, ?)"
+)
+_RETURNING = "RETURNING seq, id, topic, body, headers, key, priority, attempts, published_at"
+_CLAIM = (
+    "UPDATE mq_queue SET state = 1, due = ?, attempts = attempts + 1, token = ?"
+    " WHERE seq IN (SELECT seq FROM mq_queue WHERE gid = ? AND state = 0"
+    " ORDER BY priority DESC, seq LIMIT ?) " + _RETURNING
+)
+# Ordered groups: a keyed row is deliverable only when it is the oldest row of its key in
+# the group (an earlier one leased, delayed or ready blocks it), SQS-FIFO style.
+_CLAIM_ORDERED = (
+    "UPDATE mq_queue SET state = 1, due = ?, attempts = attempts + 1, token = ?"
+    " WHERE seq IN (SELECT q.seq FROM mq_queue q WHERE q.gid = ? AND q.state = 0"
+    " AND (q.key IS NULL OR NOT EXISTS (SELECT 1 FROM mq_queue p"
+    " WHERE p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"
+    " ORDER BY q.priority DESC, q.seq LIMIT ?) " + _RETURNING
+)
+_PROMOTE = "UPDATE mq_queue SET state = 0 WHERE gid = ? AND state <> 0 AND due <= ?"
+_NEXT_DUE = "SELECT min(due) FROM mq_queue WHERE gid = ? AND state <> 0"
+_DEAD_COLUMNS = "gid, id, topic, key, priority, published_at, headers, body"
+
+_BUSY = re.compile(r"locked|busy", re.IGNORECASE)
+_SYNC = {"normal": "NORMAL", "full": "FULL", "extra": "EXTRA"}
+
+
+class _Shared:
+    """Per-file, per-process wake-up: writers bump ``gen`` and notify waiting receivers."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.gen = 0
+
+    def wake(self) -> None:
+        with self.cond:
+            self.gen += 1
+            self.cond.notify_all()
+
+
+_shared: dict[str, _Shared] = {}
+_shared_lock = threading.Lock()
+
+
+def _shared_for(path: str) -> _Shared:
+    with _shared_lock:
+        state = _shared.get(path)
+        if state is None:
+            state = _shared[path] = _Shared()
+        return state
+
+
+def _db_path(url: BrokerURL) -> Path:
+    """SQLAlchemy convention: ``sqlite:///rel.db`` is relative, ``sqlite:////abs.db`` absolute."""
+    if url.hosts:
+        raise InvalidURL(
+            f"sqlite URLs have no host: use sqlite:///relative.db or sqlite:////abs.db, "
+            f"not {url.redacted()!r}"
+        )
+    if not url.path or url.path.endswith("/"):
+        raise InvalidURL(f"sqlite URL needs a file path, e.g. sqlite:///data/mq.db: {url}")
+    if url.path == ":memory:" or url.path.startswith("file:"):
+        raise InvalidURL("in-memory SQLite cannot be shared; use memory:// instead")
+    return Path(url.path).expanduser().resolve()
+
+
+def _headers_json(headers: Mapping[str, str]) -> str | None:
+    return json.dumps(dict(headers), separators=(",", ":"), ensure_ascii=False) if headers else None
+
+
+def _headers(text: str | None) -> dict[str, str]:
+    return json.loads(text) if text else {}
+
+
+class SQLiteDriver(Driver):
+    """A SQLite file as a durable, multi-process broker."""
+
+    name: ClassVar[str] = "sqlite"
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "busy_timeout": Option(
+            float, 10.0, "seconds to wait for another process's write lock before Timeout"
+        ),
+        "synchronous": Option(
+            str, "normal",
+            "normal (WAL: survives process crashes) or full (also survives power loss)",
+        ),
+        "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds"),
+        "poll_max": Option(float, 0.1, "longest idle re-check interval of receive, seconds"),
+        "clock": Option(object, None, "a mqabstract.Clock (tests pass FakeClock)"),
+    }
+
+    def __init__(self, url: BrokerURL, path: Path, opts: Mapping[str, Any]) -> None:
+        self.url = url
+        self.path = path
+        clock = opts["clock"]
+        if clock is not None and (isinstance(clock, str) or not hasattr(clock, "time")):
+            raise InvalidArgument("option clock must be a mqabstract.Clock object")
+        self.clock: Clock = clock or SystemClock()
+        sync = str(opts["synchronous"]).lower()
+        if sync not in _SYNC:
+            raise InvalidArgument(f"option synchronous must be one of {', '.join(_SYNC)}")
+        self.synchronous = _SYNC[sync]
+        self.busy_timeout = float(opts["busy_timeout"])
+        self.poll_min = max(0.001, float(opts["poll_min"]))
+        self.poll_max = max(self.poll_min, float(opts["poll_max"]))
+        self._lock = threading.RLock()
+        self._closed = False
+        self._shared = _shared_for(str(path))
+        self._groups_version = -1
+        self._patterns: dict[int, re.Pattern[str]] = {}
+        self._routes: dict[str, tuple[int, ...]] = {}
+        self._conn = self._connect()
+        self.clock.on_advance(self._shared.wake)
+        self._caps = Capabilities.all_native(
+            max_body_bytes=min(16 * 1024 * 1024, self._conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)),
+            max_batch=10_000,
+            max_receive=1000,
+            shared_between_processes=True,
+            durable=True,
+        )
+
+    # -- connection -----------------------------------------------------------------------
+    @classmethod
+    def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> SQLiteDriver:
+        opts = parse_options(url, options, cls.OPTIONS, cls.name)
+        return cls(url, _db_path(url), opts)
+
+    def _connect(self) -> sqlite3.Connection:
+        where = self.url.redacted()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConnectionFailed(f"cannot create the directory for {where}: {exc}") from exc
+        try:
+            conn = sqlite3.connect(
+                str(self.path), timeout=self.busy_timeout, isolation_level=None,
+                check_same_thread=False, cached_statements=64,
+            )
+        except sqlite3.Error as exc:
+            raise ConnectionFailed(f"cannot open {where}: {exc}") from exc
+        try:
+            self._retry(lambda: self._init_schema(conn), "open")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _init_schema(self, conn: sqlite3.Connection) -> None:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConnectionFailed(f"{self.url} cannot use WAL mode (journal_mode={mode})")
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise ConnectionFailed(
+                f"{self.url} was written by a newer mqabstract (schema {version})"
+            )
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+            conn.execute("INSERT OR IGNORE INTO mq_meta VALUES ('groups', 0)")
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _error(self, exc: sqlite3.Error, what: str) -> MQError:
+        where = self.url.redacted()
+        if isinstance(exc, sqlite3.OperationalError) and _BUSY.search(str(exc)):
+            return Timeout(f"sqlite {what}: {where} stayed locked by another writer "
+                           f"for over {self.busy_timeout:g}s ({exc})")
+        return ConnectionFailed(f"sqlite {what} on {where} failed: {exc}")
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn``; on ``database is locked`` retry with backoff until busy_timeout."""
+        deadline = time.monotonic() + self.busy_timeout
+        pause = 0.002
+        while True:
+            try:
+                return fn()
+            except sqlite3.OperationalError as exc:
+                if not _BUSY.search(str(exc)) or time.monotonic() >= deadline:
+                    raise self._error(exc, what) from exc
+            except sqlite3.Error as exc:
+                raise self._error(exc, what) from exc
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _write(self, fn: Callable[[sqlite3.Connection], T], what: str, wake: bool = False) -> T:
+        """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction (whole thing retried on busy)."""
+
+        def txn() -> T:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return result
+
+        with self._lock:
+            self._check_open()
+            result = self._retry(txn, what)
+        if wake:
+            self._shared.wake()
+        return result
+
+    def _read(self, fn: Callable[[sqlite3.Connection], T], what: str) -> T:
+        with self._lock:
+            self._check_open()
+            return self._retry(lambda: fn(self._conn), what)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed(f"sqlite broker {self.url} is closed")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def now(self) -> float:
+        return self.clock.time()
+
+    # -- routing --------------------------------------------------------------------------
+    def _route(self, conn: sqlite3.Connection, topic: str) -> tuple[int, ...]:
+        """Group ids whose pattern matches ``topic``; the cache follows the groups version."""
+        version = conn.execute("SELECT value FROM mq_meta WHERE name = 'groups'").fetchone()[0]
+        if version != self._groups_version:
+            self._patterns = {
+                gid: pattern_regex(pattern)
+                for gid, pattern in conn.execute("SELECT gid, pattern FROM mq_groups")
+            }
+            self._routes = {}
+            self._groups_version = version
+        gids = self._routes.get(topic)
+        if gids is None:
+            dotted = "." + topic
+            gids = tuple(g for g, rx in self._patterns.items() if rx.fullmatch(dotted))
+            if len(self._routes) > 10_000:
+                self._routes.clear()
+            self._routes[topic] = gids
+        return gids
+
+    def _bump_groups(self, conn: sqlite3.Connection) -> None:
+        conn.execute("UPDATE mq_meta SET value = value + 1 WHERE name = 'groups'")
+
+    def _gid(self, conn: sqlite3.Connection, group: str) -> int:
+        row = conn.execute("SELECT gid FROM mq_groups WHERE name = ?", (group,)).fetchone()
+        if row is None:
+            raise NotFound(f"group {group!r} does not exist on {self.url}")
+        return int(row[0])
+
+    # -- publishing -----------------------------------------------------------------------
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        def txn(conn: sqlite3.Connection) -> None:
+            rows = []
+            routes: dict[str, tuple[int, ...]] = {}
+            for env in envelopes:
+                gids = routes.get(env.topic)
+                if gids is None:
+                    gids = routes[env.topic] = self._route(conn, env.topic)
+                if not gids:
+                    continue
+                if env.deliver_at is not None:
+                    state, due = DELAYED, env.deliver_at
+                else:
+                    state, due = READY, 0.0
+                headers = _headers_json(env.headers)
+                for gid in gids:
+                    rows.append((gid, state, due, env.priority, env.key, env.id, env.topic,
+                                 env.published_at, headers, env.body))
+            if rows:
+                conn.executemany(_INSERT, rows)
+
+        self._write(txn, "publish", wake=True)
+
+    # -- groups -----------------------------------------------------------------------------
+    def declare(self, spec: GroupSpec) -> None:
+        def txn(conn: sqlite3.Connection) -> None:
+            row = conn.execute(
+                "SELECT pattern, max_attempts, lease, ordered FROM mq_groups WHERE name = ?",
+                (spec.name,),
+            ).fetchone()
+            wanted = (spec.pattern, spec.max_attempts, spec.lease, int(spec.ordered))
+            if row is None:
+                conn.execute(
+                    "INSERT INTO mq_groups (name, pattern, max_attempts, lease, ordered,"
+                    " created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    (spec.name, *wanted, self.now()),
+                )
+                self._bump_groups(conn)
+            elif tuple(row) != wanted:
+                conn.execute(
+                    "UPDATE mq_groups SET pattern = ?, max_attempts = ?, lease = ?, ordered = ?"
+                    " WHERE name = ?",
+                    (*wanted, spec.name),
+                )
+                if row[0] != spec.pattern:
+                    self._bump_groups(conn)
+
+        self._write(txn, "declare")
+
+    def subscribe(self, spec: GroupSpec) -> SQLiteSubscription:
+        gid = self._read(lambda conn: self._gid(conn, spec.name), "subscribe")
+        return SQLiteSubscription(self, spec, gid)
+
+    def delete_group(self, group: str) -> None:
+        def txn(conn: sqlite3.Connection) -> None:
+            gid = self._gid(conn, group)
+            conn.execute("DELETE FROM mq_queue WHERE gid = ? AND state = 0", (gid,))
+            conn.execute("DELETE FROM mq_queue WHERE gid = ? AND state <> 0", (gid,))
+            conn.execute("DELETE FROM mq_dead WHERE gid = ?", (gid,))
+            conn.execute("DELETE FROM mq_groups WHERE gid = ?", (gid,))
+            self._bump_groups(conn)
+
+        self._write(txn, "delete_group")
+
+    def stats(self, group: str) -> GroupStats:
+        now = self.now()
+
+        def read(conn: sqlite3.Connection) -> GroupStats:
+            gid = self._gid(conn, group)
+            ready = conn.execute(
+                "SELECT count(*) FROM mq_queue WHERE gid = ? AND state = 0", (gid,)
+            ).fetchone()[0]
+            waiting = dict.fromkeys((READY, LEASED, DELAYED), 0)
+            for state, due_now, count in conn.execute(
+                "SELECT state, due <= ?, count(*) FROM mq_queue WHERE gid = ? AND state <> 0"
+                " GROUP BY state, due <= ?", (now, gid, now),
+            ):
+                waiting[READY if due_now else state] += count
+            dead = conn.execute(
+                "SELECT count(*) FROM mq_dead WHERE gid = ?", (gid,)
+            ).fetchone()[0]
+            return GroupStats(group, ready + waiting[READY], waiting[LEASED],
+                              waiting[DELAYED], dead)
+
+        return self._read(read, "stats")
+
+    # -- dead letters -----------------------------------------------------------------------
+    def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
+        def read(conn: sqlite3.Connection) -> list[DeadLetter]:
+            gid = self._gid(conn, group)
+            rows = conn.execute(
+                "SELECT id, topic, body, headers, key, priority, published_at, attempts,"
+                " reason, dead_at FROM mq_dead WHERE gid = ? ORDER BY dseq LIMIT ?",
+                (gid, limit),
+            ).fetchall()
+            return [
+                DeadLetter(r[0], r[1], bytes(r[2]), _headers(r[3]), r[4], r[5], utc(r[6]),
+                           r[7], r[8], utc(r[9]))
+                for r in rows
+            ]
+
+        return self._read(read, "dead_letters")
+
+    @staticmethod
+    def _id_filter(ids: Collection[str] | None) -> tuple[str, tuple[Any, ...]]:
+        if ids is None:
+            return "", ()
+        return " AND id IN (SELECT value FROM json_each(?))", (json.dumps(sorted(ids)),)
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        where, args = self._id_filter(ids)
+
+        def txn(conn: sqlite3.Connection) -> int:
+            gid = self._gid(conn, group)
+            cur = conn.execute(
+                "INSERT INTO mq_queue (gid, state, due, priority, attempts, token, key, id,"
+                " topic, published_at, headers, body) SELECT gid, 0, 0, priority, 0, 0, key,"
+                " id, topic, published_at, headers, body FROM mq_dead WHERE gid = ?"
+                + where + " ORDER BY dseq",
+                (gid, *args),
+            )
+            moved = cur.rowcount
+            conn.execute("DELETE FROM mq_dead WHERE gid = ?" + where, (gid, *args))
+            return int(moved)
+
+        return self._write(txn, "replay_dead_letters", wake=True)
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        where, args = self._id_filter(ids)
+
+        def txn(conn: sqlite3.Connection) -> int:
+            gid = self._gid(conn, group)
+            return int(conn.execute(
+                "DELETE FROM mq_dead WHERE gid = ?" + where, (gid, *args)
+            ).rowcount)
+
+        return self._write(txn, "purge_dead_letters")
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._conn.close()
+            except sqlite3.Error as exc:
+                raise self._error(exc, "close") from exc
+        self._shared.wake()  # receivers of this driver notice the close
+
+
+class SQLiteSubscription(DriverSubscription):
+    """One consumer of one group; receipts are ``(seq, lease_token)``."""
+
+    def __init__(self, driver: SQLiteDriver, spec: GroupSpec, gid: int) -> None:
+        self._d = driver
+        self._gid = gid
+        self._lease = spec.lease
+        self._claim = _CLAIM_ORDERED if spec.ordered else _CLAIM
+        self._ordered = spec.ordered
+        self._held: dict[int, int] = {}  # seq -> token of leases this consumer holds
+        self._closed = False
+        self._seen_version: int | None = None
+        self._seen_gen = -1
+        self._next_due: float | None = None
+
+    def _try_claim(self, max_messages: int) -> list[Delivery]:
+        d = self._d
+        now = d.now()
+        token = random.getrandbits(62) or 1
+        gid = self._gid
+
+        def txn(conn: sqlite3.Connection) -> list[Any]:
+            conn.execute(_PROMOTE, (gid, now))
+            rows = conn.execute(self._claim, (now + self._lease, token, gid, max_messages))
+            rows = rows.fetchall()
+            if not rows:
+                self._next_due = conn.execute(_NEXT_DUE, (gid,)).fetchone()[0]
+            return rows
+
+        with d._lock:
+            # Record what we have seen *before* looking, so a commit racing with this
+            # claim still changes data_version / gen and triggers another look.
+            self._seen_gen = d._shared.gen
+            self._seen_version = d._read(
+                lambda c: c.execute("PRAGMA data_version").fetchone()[0], "receive")
+            rows = d._write(txn, "receive")
+        if not rows:
+            return []
+        rows.sort(key=lambda r: (-r[6], r[0]))
+        out = []
+        for seq, mid, topic, body, headers, key, prio, attempts, published in rows:
+            self._held[seq] = token
+            out.append(Delivery(mid, topic, bytes(body), _headers(headers), key, prio,
+                                attempts, published, (seq, token)))
+        return out
+
+    def _changed(self) -> bool:
+        """Cheap idle check: did anything happen that could make a message deliverable?"""
+        d = self._d
+        if d._shared.gen != self._seen_gen:
+            return True
+        if self._next_due is not None and d.now() >= self._next_due:
+            return True
+        version = d._read(lambda c: c.execute("PRAGMA data_version").fetchone()[0], "receive")
+        return version != self._seen_version
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        self._check_open()
+        d = self._d
+        deadline = time.monotonic() + timeout
+        interval = d.poll_min
+        out = self._try_claim(max_messages)
+        while not out:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closed or d._closed:
+                return []
+            wait = min(interval, remaining)
+            if self._next_due is not None and isinstance(d.clock, SystemClock):
+                wait = min(wait, max(0.0, self._next_due - d.now()) + 0.001)
+            shared = d._shared
+            with shared.cond:
+                if shared.gen == self._seen_gen:
+                    shared.cond.wait(wait)
+                woken = shared.gen != self._seen_gen
+            if self._closed or d._closed:
+                return []
+            interval = d.poll_min if woken else min(interval * 2, d.poll_max)
+            if self._changed():
+                out = self._try_claim(max_messages)
+        return out
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        self._check_open()
+        if not receipts:
+            return
+        for seq, _ in receipts:
+            self._held.pop(seq, None)
+        self._d._write(
+            lambda conn: conn.executemany(
+                "DELETE FROM mq_queue WHERE seq = ? AND token = ?", receipts),
+            "ack", wake=self._ordered,
+        )
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        self._check_open()
+        seq, token = receipt
+        self._held.pop(seq, None)
+        self._release(((seq, token),), delay)
+
+    def _release(self, receipts: Sequence[tuple[int, int]], delay: float) -> None:
+        if delay > 0:
+            state, due = DELAYED, self._d.now() + delay
+        else:
+            state, due = READY, 0.0
+        self._d._write(
+            lambda conn: conn.executemany(
+                "UPDATE mq_queue SET state = ?, due = ? WHERE seq = ? AND token = ?",
+                [(state, due, seq, token) for seq, token in receipts]),
+            "nack", wake=True,
+        )
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        self._check_open()
+        seq, token = receipt
+        due = self._d.now() + seconds
+        self._d._write(
+            lambda conn: conn.execute(
+                "UPDATE mq_queue SET state = 1, due = ? WHERE seq = ? AND token = ?",
+                (due, seq, token)),
+            "extend",
+        )
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        self._check_open()
+        seq, token = receipt
+        self._held.pop(seq, None)
+        now = self._d.now()
+
+        def txn(conn: sqlite3.Connection) -> None:
+            cur = conn.execute(
+                f"INSERT INTO mq_dead ({_DEAD_COLUMNS}, attempts, reason, dead_at)"
+                f" SELECT {_DEAD_COLUMNS}, ?, ?, ? FROM mq_queue WHERE seq = ? AND token = ?",
+                (attempts, reason, now, seq, token),
+            )
+            if cur.rowcount:
+                conn.execute("DELETE FROM mq_queue WHERE seq = ?", (seq,))
+
+        self._d._write(txn, "dead_letter", wake=self._ordered)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("subscription is closed")
+        self._d._check_open()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        held, self._held = list(self._held.items()), {}
+        if held and not self._d._closed:
+            self._release(held, 0.0)
+        self._d._shared.wake()
