@@ -740,11 +740,11 @@ def rabbit_script(name: str) -> str:
     return found
 
 
-def ensure_rabbitmq_installed() -> None:
-    """Install Debian's ``rabbitmq-server`` with apt-get when no server script exists."""
+def ensure_rabbitmq_installed() -> bool:
+    """Install Debian's ``rabbitmq-server`` with apt-get when missing; True if it did."""
     with contextlib.suppress(BrokerError):
         rabbit_script("rabbitmq-server")
-        return
+        return False
     if shutil.which("apt-get") is None:
         raise BrokerError(
             "rabbitmq: rabbitmq-server is not installed and apt-get is missing; "
@@ -762,6 +762,7 @@ def ensure_rabbitmq_installed() -> None:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
             raise BrokerError(f"rabbitmq: `{shlex.join(argv)}` failed ({done.returncode}):\n{tail}")
     rabbit_script("rabbitmq-server")
+    return True
 
 
 def tansu_binary(root: Path, python: str | None = None) -> str:
@@ -874,13 +875,13 @@ def up(
                     outcome[kind] = f"already running (ours, pid {inst.pid()})"
                 elif not inst.running() and inst.ready():
                     outcome[kind] = "reusing a broker we did not start"
+                elif (
+                    kind == "rabbitmq"
+                    and ensure_rabbitmq_installed()
+                    and _booting_elsewhere(inst, 60.0)  # apt may have started the service
+                ):
+                    outcome[kind] = "reusing the freshly installed system service"
                 else:
-                    if kind == "rabbitmq":
-                        ensure_rabbitmq_installed()
-                        # apt may have started the system service on this port: let it boot
-                        if not inst.running() and _booting_elsewhere(inst, 60.0):
-                            outcome[kind] = "reusing the freshly installed system service"
-                            continue
                     took = inst.start()
                     outcome[kind] = f"started pid {inst.pid()} in {took:.1f}s"
             except (BrokerError, OSError, subprocess.SubprocessError) as exc:

@@ -166,6 +166,21 @@ def test_cli_up_is_idempotent_and_down_leaves_no_process(cli_env: dict[str, str]
     assert brokers(cli_env, "env").stdout.strip() == ""
 
 
+def test_down_never_kills_a_process_it_did_not_start(cli_env: dict[str, str]) -> None:
+    """A state file whose pid now belongs to another program (pid reuse) is dropped only."""
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        kafka = bc.PrivateKafka(port=19099, state_dir=cli_env["MQ_BROKERS_DIR"])
+        kafka._record(stranger.pid)  # right pid and start time, but not tansu's command line
+        assert kafka.pid() is None
+        assert brokers(cli_env, "down", "kafka").returncode == 0
+        assert stranger.poll() is None
+        assert not kafka.state_file.exists()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_cli_up_failure_names_the_broker_and_why(cli_env: dict[str, str], junk_server: int) -> None:
     cli_env["MQ_BROKERS_KAFKA_PORT"] = str(junk_server)
     result = brokers(cli_env, "up", "kafka")
