@@ -750,7 +750,8 @@ def ensure_rabbitmq_installed() -> bool:
             "rabbitmq: rabbitmq-server is not installed and apt-get is missing; "
             "install RabbitMQ or set MQ_TEST_RABBITMQ_URL"
         )
-    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    # sudo drops the environment, so pass DEBIAN_FRONTEND through env(1)
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n", "env", "DEBIAN_FRONTEND=noninteractive"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (
         ["apt-get", "update", "-q"],
