@@ -409,14 +409,16 @@ class SQLiteDriver(Driver):
                     (spec.name, *wanted, self.now()),
                 )
                 self._bump_groups(conn)
-            elif tuple(row) != wanted:
-                conn.execute(
-                    "UPDATE mq_groups SET pattern = ?, max_attempts = ?, lease = ?, ordered = ?"
-                    " WHERE name = ?",
-                    (*wanted, spec.name),
+            elif row[0] != spec.pattern:
+                raise InvalidArgument(
+                    f"group {spec.name!r} exists with pattern {row[0]!r}, not {spec.pattern!r}"
                 )
-                if row[0] != spec.pattern:
-                    self._bump_groups(conn)
+            elif tuple(row) != wanted:  # policy (lease, attempts) follows the latest declare
+                conn.execute(
+                    "UPDATE mq_groups SET max_attempts = ?, lease = ?, ordered = ?"
+                    " WHERE name = ?",
+                    (*wanted[1:], spec.name),
+                )
 
         self._write(txn, "declare")
 
@@ -607,11 +609,13 @@ class SQLiteSubscription(DriverSubscription):
         self._check_open()
         if not receipts:
             return
+        now = self._d.now()
         for seq, _ in receipts:
             self._held.pop(seq, None)
         self._d._write(
             lambda conn: conn.executemany(
-                "DELETE FROM mq_queue WHERE seq = ? AND token = ?", receipts),
+                "DELETE FROM mq_queue WHERE seq = ? AND token = ? AND state = 1 AND due > ?",
+                [(seq, token, now) for seq, token in receipts]),
             "ack", wake=self._ordered,
         )
 
@@ -622,25 +626,24 @@ class SQLiteSubscription(DriverSubscription):
         self._release(((seq, token),), delay)
 
     def _release(self, receipts: Sequence[tuple[int, int]], delay: float) -> None:
-        if delay > 0:
-            state, due = DELAYED, self._d.now() + delay
-        else:
-            state, due = READY, 0.0
+        now = self._d.now()
+        state, due = (DELAYED, now + delay) if delay > 0 else (READY, 0.0)
         self._d._write(
             lambda conn: conn.executemany(
-                "UPDATE mq_queue SET state = ?, due = ? WHERE seq = ? AND token = ?",
-                [(state, due, seq, token) for seq, token in receipts]),
+                "UPDATE mq_queue SET state = ?, due = ?"
+                " WHERE seq = ? AND token = ? AND state = 1 AND due > ?",
+                [(state, due, seq, token, now) for seq, token in receipts]),
             "nack", wake=True,
         )
 
     def extend(self, receipt: Any, seconds: float) -> None:
         self._check_open()
         seq, token = receipt
-        due = self._d.now() + seconds
+        now = self._d.now()
         self._d._write(
             lambda conn: conn.execute(
-                "UPDATE mq_queue SET state = 1, due = ? WHERE seq = ? AND token = ?",
-                (due, seq, token)),
+                "UPDATE mq_queue SET due = ? WHERE seq = ? AND token = ? AND state = 1"
+                " AND due > ?", (now + seconds, seq, token, now)),
             "extend",
         )
 
@@ -653,8 +656,9 @@ class SQLiteSubscription(DriverSubscription):
         def txn(conn: sqlite3.Connection) -> None:
             cur = conn.execute(
                 f"INSERT INTO mq_dead ({_DEAD_COLUMNS}, attempts, reason, dead_at)"
-                f" SELECT {_DEAD_COLUMNS}, ?, ?, ? FROM mq_queue WHERE seq = ? AND token = ?",
-                (attempts, reason, now, seq, token),
+                f" SELECT {_DEAD_COLUMNS}, ?, ?, ? FROM mq_queue WHERE seq = ? AND token = ?"
+                " AND state = 1 AND due > ?",
+                (attempts, reason, now, seq, token, now),
             )
             if cur.rowcount:
                 conn.execute("DELETE FROM mq_queue WHERE seq = ?", (seq,))
