@@ -1,0 +1,1414 @@
+"""RabbitMQ backend (``amqp://`` / ``amqps://``), built on pika.
+
+Mapping (details and trade-offs in ``docs/backends/rabbitmq.md``):
+
+* one durable topic exchange (option ``exchange``, default ``mqabstract``); routing key =
+  topic. A group is a durable queue ``<exchange>.g.<group>`` bound with its pattern;
+  consumers of a group compete on that queue. Quorum queues by default (exact redelivery
+  counts), classic queues with ``x-max-priority`` for ``priority=True`` groups, and
+  ``x-single-active-consumer`` for ``ordered=True`` groups.
+* Publishing and consuming run on one I/O thread that owns a pika ``SelectConnection``;
+  other threads hand it work with ``add_callback_threadsafe``. Publisher confirms are
+  tracked by delivery tag, so a batch is pipelined: one round trip, not one per message.
+* Redelivery (nack, lease expiry), delays and dead letters are "copy, confirm, then ack the
+  original": the copy carries the attempt count in ``mq-attempt``, so counts are exact on
+  every queue type; broker-side redelivery (a consumer's connection died) adds
+  ``x-delivery-count`` (quorum) or the ``redelivered`` flag (classic).
+* Delays use one wait queue per delay tier (queue TTL, dead-lettered to the exchange for a
+  delayed publish, or to the group queue for ``nack(delay)``). A message that comes out of
+  a tier before its ``mq-deliver-at`` is sent to the next tier by the consumer that sees
+  it, so nothing is ever delivered early.
+* Leases are kept by the driver: an unsettled message is copied back with attempt + 1 when
+  its lease runs out. A dead consumer's messages are redelivered by the broker.
+* Declarations, dead-letter list/replay/purge and stats use a second, blocking connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import itertools
+import logging
+import ssl
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pika
+import pika.exceptions as pex
+from pika import spec as amqp
+from pika.adapters.select_connection import IOLoop
+
+from mqabstract.capabilities import Capabilities, Feature, Support
+from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.errors import (
+    Closed,
+    ConnectionFailed,
+    InvalidArgument,
+    MQError,
+    NotFound,
+    PublishError,
+)
+from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
+from mqabstract.options import Option, parse_options
+from mqabstract.url import BrokerURL, redact
+
+__all__ = ["RabbitMQDriver"]
+
+log = logging.getLogger("mqabstract.rabbitmq")
+
+# Delay tiers in milliseconds: a message waits in the largest tier not longer than what is
+# left of its delay (the smallest tier when less is left), then is re-tiered if still early.
+TIERS_MS = (
+    10, 25, 50, 100, 250, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 120_000,
+    300_000, 600_000, 1_800_000, 3_600_000, 7_200_000, 21_600_000, 43_200_000, 86_400_000,
+    259_200_000, 604_800_000, 2_592_000_000,
+)
+# Headers RabbitMQ adds; never shown to users and stripped from our copies.
+_BROKER_HEADERS = frozenset({
+    "x-death", "x-delivery-count", "x-first-death-exchange", "x-first-death-queue",
+    "x-first-death-reason", "x-last-death-exchange", "x-last-death-queue",
+    "x-last-death-reason",
+})
+H_TOPIC, H_KEY, H_ATTEMPT = "mq-topic", "mq-key", "mq-attempt"
+H_PUBLISHED, H_DUE = "mq-published-at", "mq-deliver-at"
+H_REASON, H_ATTEMPTS, H_DEAD_AT = "mq-dl-reason", "mq-dl-attempts", "mq-dl-at"
+CONTENT_TYPE = "content-type"
+_MAX_NAME = 255  # AMQP short string
+_TICK = 0.05  # lease / idle check period, seconds
+_CONN_ERRORS = (
+    pex.AMQPConnectionError, pex.ConnectionClosed, pex.StreamLostError,
+    pex.ConnectionWrongStateError, pex.ChannelWrongStateError, OSError,
+)
+
+
+def _queue_name(*parts: str) -> str:
+    """Join name parts; hash the tail when longer than AMQP's 255-byte limit."""
+    name = ".".join(parts)
+    if len(name.encode()) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+    return name[: _MAX_NAME - 34] + "~" + digest
+
+
+def _tier_for(seconds: float) -> int:
+    """The largest tier (ms) not longer than ``seconds`` (the smallest if none is)."""
+    ms = seconds * 1000.0
+    best = TIERS_MS[0]
+    for tier in TIERS_MS:
+        if tier <= ms:
+            best = tier
+        else:
+            break
+    return best
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+# ----------------------------------------------------------------------------------------
+# publishing primitives
+
+
+@dataclass(slots=True)
+class _Item:
+    """One basic.publish: where, what, and whether "unroutable" is a failure."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    props: pika.BasicProperties
+    must_route: bool = False
+
+
+class _Pending:
+    """Confirmation state of one group of publishes; ``done`` runs once all are settled."""
+
+    __slots__ = ("acked", "event", "failed", "left", "lock", "lost", "on_done", "returned")
+
+    def __init__(self, n: int, on_done: Callable[[_Pending], None] | None = None) -> None:
+        self.left = n
+        self.acked: list[int] = []
+        self.failed: dict[int, str] = {}
+        self.lost: list[int] = []
+        self.returned: list[int] = []
+        self.event = threading.Event()
+        self.on_done = on_done
+        self.lock = threading.Lock()
+        if n == 0:
+            self._finish()
+
+    def settle(self, j: int, outcome: str, why: str = "") -> None:
+        with self.lock:
+            if outcome == "ack":
+                self.acked.append(j)
+            elif outcome == "returned":
+                self.returned.append(j)
+            elif outcome == "lost":
+                self.lost.append(j)
+            else:
+                self.failed[j] = why
+            self.left -= 1
+            finished = self.left == 0
+        if finished:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.event.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # never let a callback kill the I/O loop
+                log.exception("publish completion callback failed")
+
+
+# ----------------------------------------------------------------------------------------
+# the I/O thread
+
+
+class _Link:
+    """A pika SelectConnection on its own thread: publishes with confirms, feeds consumers,
+    reconnects with backoff. Everything touching pika objects runs on that thread."""
+
+    def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
+        self.params = params
+        self.where = where
+        self.ioloop = IOLoop()
+        self.conn: pika.SelectConnection | None = None
+        self.conn_gen = 0
+        self.ch: Any = None  # the confirm-mode publish channel, when open
+        self.ready = threading.Event()  # publish channel usable
+        self.closing = False
+        self.subs: set[_Sub] = set()
+        self._out: OrderedDict[int, tuple[_Pending, int, tuple[str, str, str] | None]] = (
+            OrderedDict()
+        )
+        self._tag = 0
+        self._returns: dict[tuple[str, str, str], deque[int]] = {}
+        self._returned: set[int] = set()
+        self._failures = 0
+        self._opened = threading.Event()
+        self._open_error: BaseException | None = None
+        self.last_error = ""
+        self._thread = threading.Thread(target=self._run, name="mqabstract-rabbitmq-io",
+                                        daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float) -> None:
+        self._thread.start()
+        if not self._opened.wait(timeout) or not self.ready.wait(timeout):
+            self.stop()
+            raise ConnectionFailed(f"cannot connect to RabbitMQ at {self.where}: timed out "
+                                   f"after {timeout:g}s")
+        if self._open_error is not None:
+            self.stop()
+            raise ConnectionFailed(
+                f"cannot connect to RabbitMQ at {self.where}: "
+                f"{redact(_describe(self._open_error))}"
+            ) from self._open_error
+
+    def _run(self) -> None:
+        self._connect()
+        self.ioloop.call_later(_TICK, self._tick)
+        try:
+            self.ioloop.start()
+        finally:
+            with contextlib.suppress(Exception):
+                self.ioloop.close()
+
+    def _connect(self) -> None:
+        if self.closing:
+            return
+        params = self.params[self._failures % len(self.params)]
+        self.conn = pika.SelectConnection(
+            params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=self._on_open_error,
+            on_close_callback=self._on_closed,
+            custom_ioloop=self.ioloop,
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close the connection and end the I/O thread (idempotent)."""
+        if self.closing and not self._thread.is_alive():
+            return
+        self.closing = True
+
+        def shut() -> None:
+            conn = self.conn
+            if conn is not None and (conn.is_open or conn.is_opening):
+                with contextlib.suppress(Exception):
+                    conn.close()
+                    return  # _on_closed stops the loop
+            self.ioloop.stop()
+
+        if self._thread.is_alive():
+            self.call(shut)
+            self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread (from any thread)."""
+        self.ioloop.add_callback_threadsafe(fn)
+
+    # -- connection events -----------------------------------------------------------------
+    def _on_open(self, conn: Any) -> None:
+        self.conn_gen += 1
+        self._failures = 0
+        conn.channel(on_open_callback=self._on_pub_channel)
+        for sub in list(self.subs):
+            sub._io_connected()
+
+    def _on_open_error(self, conn: Any, err: BaseException) -> None:
+        self.last_error = redact(_describe(err))
+        if not self._opened.is_set():
+            self._open_error = err
+            self._opened.set()
+            self.ready.set()
+            self.closing = True
+            self.ioloop.stop()
+            return
+        self._reconnect_later()
+
+    def _on_closed(self, conn: Any, reason: BaseException) -> None:
+        self.ready.clear()
+        self.ch = None
+        self._fail_outstanding()
+        for sub in list(self.subs):
+            sub._io_lost()
+        if self.closing:
+            self.ioloop.stop()
+            return
+        self.last_error = redact(_describe(reason))
+        log.warning("rabbitmq connection to %s lost (%s); reconnecting", self.where,
+                    self.last_error)
+        self._reconnect_later()
+
+    def _reconnect_later(self) -> None:
+        self._failures += 1
+        pause = min(5.0, 0.1 * 2 ** min(self._failures, 6))
+        self.ioloop.call_later(pause, self._connect)
+
+    def _on_pub_channel(self, ch: Any) -> None:
+        ch.add_on_close_callback(self._on_pub_closed)
+        ch.add_on_return_callback(self._on_return)
+        self._tag = 0
+        ch.confirm_delivery(self._on_confirm, callback=lambda _frame: self._pub_ready(ch))
+
+    def _pub_ready(self, ch: Any) -> None:
+        self.ch = ch
+        self._opened.set()
+        self.ready.set()
+
+    def _on_pub_closed(self, ch: Any, reason: BaseException) -> None:
+        if self.ch is ch or self.ch is None:
+            self.ch = None
+            self.ready.clear()
+            self._fail_outstanding()
+        conn = self.conn
+        if not self.closing and conn is not None and conn.is_open:
+            log.warning("rabbitmq publish channel closed (%s); reopening",
+                        redact(_describe(reason)))
+            conn.channel(on_open_callback=self._on_pub_channel)
+
+    def _fail_outstanding(self) -> None:
+        out, self._out = self._out, OrderedDict()
+        self._returns.clear()
+        self._returned.clear()
+        for pend, j, _key in out.values():
+            pend.settle(j, "lost")
+
+    # -- publishing ------------------------------------------------------------------------
+    def send(self, items: Sequence[_Item], pend: _Pending) -> None:
+        """(I/O thread) publish ``items``; ``pend`` learns each one's fate."""
+        ch = self.ch
+        for j, item in enumerate(items):
+            if ch is None or not ch.is_open:
+                pend.settle(j, "lost")
+                continue
+            try:
+                ch.basic_publish(item.exchange, item.routing_key, item.body, item.props,
+                                 mandatory=item.must_route)
+            except Exception as exc:  # channel/connection went away under us
+                log.debug("publish failed on the wire: %s", exc)
+                pend.settle(j, "lost")
+                continue
+            self._tag += 1
+            key = None
+            if item.must_route:
+                key = (item.exchange, item.routing_key, item.props.message_id or "")
+                self._returns.setdefault(key, deque()).append(self._tag)
+            self._out[self._tag] = (pend, j, key)
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ok = isinstance(method, amqp.Basic.Ack)
+        tag = method.delivery_tag
+        settled: list[tuple[int, tuple[_Pending, int, Any]]] = []
+        if method.multiple:
+            while self._out:
+                first = next(iter(self._out))
+                if first > tag:
+                    break
+                settled.append(self._out.popitem(last=False))
+        elif tag in self._out:
+            settled.append((tag, self._out.pop(tag)))
+        for t, (pend, j, key) in settled:
+            if key is not None:
+                waiting = self._returns.get(key)
+                if waiting is not None:
+                    with contextlib.suppress(ValueError):
+                        waiting.remove(t)
+                    if not waiting:
+                        del self._returns[key]
+            if t in self._returned:
+                self._returned.discard(t)
+                pend.settle(j, "returned")
+            elif ok:
+                pend.settle(j, "ack")
+            else:
+                pend.settle(j, "nack", "the broker refused the message (basic.nack)")
+
+    def _on_return(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        key = (method.exchange, method.routing_key, props.message_id or "")
+        waiting = self._returns.get(key)
+        if waiting:
+            self._returned.add(waiting.popleft())
+            if not waiting:
+                del self._returns[key]
+
+    def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
+        """(any thread but the I/O one) publish and wait for confirms, re-sending what a
+        lost connection left unconfirmed until ``timeout``. Returns the final state, with
+        indexes into ``items``; whatever is neither acked, returned nor failed is lost."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("publish() must not be called on the I/O thread")
+        deadline = time.monotonic() + timeout
+        result = _Pending(len(items))
+        todo = list(range(len(items)))
+        while todo:
+            left = deadline - time.monotonic()
+            if self.closing or left <= 0 or not self.ready.wait(left):
+                break
+            pend = _Pending(len(todo))
+            batch = [items[i] for i in todo]
+            self.call(lambda b=batch, p=pend: self.send(b, p))  # type: ignore[misc]
+            if not pend.event.wait(max(0.0, deadline - time.monotonic())):
+                break
+            with pend.lock:
+                for j in pend.acked:
+                    result.settle(todo[j], "ack")
+                for j in pend.returned:
+                    result.settle(todo[j], "returned")
+                for j, why in pend.failed.items():
+                    result.settle(todo[j], "nack", why)
+                todo = [todo[j] for j in sorted(pend.lost)]
+        return result
+
+    # -- periodic work ---------------------------------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for sub in list(self.subs):
+            try:
+                sub._io_tick(now)
+            except Exception:
+                log.exception("rabbitmq lease tick failed")
+        if not self.closing:
+            self.ioloop.call_later(_TICK, self._tick)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+# ----------------------------------------------------------------------------------------
+# consumer side
+
+
+class _Raw:
+    """A message as the broker delivered it to our channel, before the user saw it."""
+
+    __slots__ = ("body", "gen", "props", "redelivered", "routing_key", "tag")
+
+    def __init__(self, gen: int, tag: int, redelivered: bool, routing_key: str,
+                 props: Any, body: bytes) -> None:
+        self.gen = gen
+        self.tag = tag
+        self.redelivered = redelivered
+        self.routing_key = routing_key
+        self.props = props
+        self.body = body
+
+    def attempt(self) -> int:
+        headers = self.props.headers or {}
+        base = int(_text(headers.get(H_ATTEMPT, 1)))
+        count = headers.get("x-delivery-count")
+        if count is not None:
+            return base + int(count)
+        return base + (1 if self.redelivered else 0)
+
+    def due(self) -> float | None:
+        headers = self.props.headers
+        if headers and H_DUE in headers:
+            return float(_text(headers[H_DUE]))
+        return None
+
+
+class _Receipt:
+    """A leased message: our handle to settle it; stale once ``done``."""
+
+    __slots__ = ("attempt", "deadline", "done", "extended", "raw")
+
+    def __init__(self, raw: _Raw, attempt: int, deadline: float) -> None:
+        self.raw = raw
+        self.attempt = attempt
+        self.deadline = deadline
+        self.done = False
+        self.extended = False
+
+
+def _copy_props(props: Any, **headers: str | None) -> pika.BasicProperties:
+    """The message's properties for a copy: broker headers stripped, ``headers`` applied
+    (None removes one)."""
+    new = dict(props.headers or {})
+    for name in _BROKER_HEADERS:
+        new.pop(name, None)
+    for name, value in headers.items():
+        name = name.replace("_", "-")
+        if value is None:
+            new.pop(name, None)
+        else:
+            new[name] = value
+    return pika.BasicProperties(
+        content_type=props.content_type,
+        content_encoding=props.content_encoding,
+        headers=new,
+        delivery_mode=2,
+        priority=props.priority,
+        correlation_id=props.correlation_id,
+        reply_to=props.reply_to,
+        message_id=props.message_id or uuid.uuid4().hex,
+        timestamp=props.timestamp,
+        type=props.type,
+        app_id=props.app_id,
+    )
+
+
+class _Sub(DriverSubscription):
+    """One consumer on a group queue: a channel of its own, a local buffer ordered by
+    priority, driver-kept leases. Started lazily on the first ``receive`` and stopped (its
+    unread buffer handed back) when nobody has called ``receive`` for a while, so an idle
+    consumer never sits on messages that another one could take."""
+
+    def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
+        self._driver = driver
+        self._link = driver._link
+        self.spec = spec
+        self.queue = driver._group_queue(spec.name)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._buf: list[tuple[int, int, _Raw]] = []  # (-priority, seq, raw)
+        self._seq = itertools.count()
+        self._leases: deque[_Receipt] = deque()
+        self._extended: list[tuple[float, int, _Receipt]] = []
+        self._acks: list[tuple[int, int]] = []
+        self._want = False  # a consumer should be running
+        self._ch: Any = None
+        self._ch_gen = 0
+        self._ctag: str | None = None
+        self._cancelling = False
+        self._closed = False
+        self._receiving = 0
+        self._last_receive = time.monotonic()
+        self._idle = min(1.0, max(0.2, spec.lease / 2))
+        self._error: MQError | None = None
+        self._link.subs.add(self)
+
+    # -- I/O thread ------------------------------------------------------------------------
+    def _io_start(self) -> None:
+        if self._closed:
+            return
+        self._want = True
+        if self._cancelling:
+            return  # restarted when the cancel completes
+        conn = self._link.conn
+        if self._ch is None:
+            if conn is not None and conn.is_open:
+                self._ch = "opening"
+                conn.channel(on_open_callback=self._io_channel_open)
+        elif self._ch != "opening" and self._ctag is None:
+            self._io_consume()
+
+    def _io_connected(self) -> None:
+        self._ch = None
+        self._ctag = None
+        self._cancelling = False
+        if self._want and not self._closed:
+            self._io_start()
+
+    def _io_channel_open(self, ch: Any) -> None:
+        if self._closed:
+            ch.close()
+            return
+        self._ch = ch
+        self._ch_gen = next(_CHANNEL_GEN)
+        ch.add_on_close_callback(self._io_channel_closed)
+        ch.basic_qos(prefetch_count=self._driver._prefetch)
+        if self._want:
+            self._io_consume()
+
+    def _io_consume(self) -> None:
+        ch = self._ch
+        gen = self._ch_gen
+
+        def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            raw = _Raw(gen, method.delivery_tag, method.redelivered, method.routing_key,
+                       props, body)
+            with self._cond:
+                heapq.heappush(self._buf, (-(props.priority or 0), next(self._seq), raw))
+                self._cond.notify()
+
+        self._ctag = ch.basic_consume(self.queue, on_message)
+
+    def _io_channel_closed(self, ch: Any, reason: BaseException) -> None:
+        if ch is not self._ch:
+            return
+        self._ch = None
+        self._ctag = None
+        self._cancelling = False
+        self._io_forget()
+        if self._closed:
+            return
+        code = getattr(reason, "reply_code", 0)
+        if code == 404:
+            self._set_error(NotFound(f"group {self.spec.name!r} does not exist (its queue "
+                                     "was deleted)"))
+        elif code not in (0, 200, 320) and self._want:
+            log.warning("rabbitmq consumer channel closed: %s", redact(_describe(reason)))
+            self._link.ioloop.call_later(0.5, self._io_start)
+
+    def _io_lost(self) -> None:
+        self._ch = None
+        self._ctag = None
+        self._cancelling = False
+        self._io_forget()
+
+    def _io_forget(self) -> None:
+        """The channel is gone: the broker redelivers everything it had given us."""
+        with self._cond:
+            self._buf.clear()
+            for receipt in self._leases:
+                receipt.done = True
+            self._leases.clear()
+            self._extended.clear()
+            self._acks.clear()
+            self._cond.notify_all()
+
+    def _set_error(self, err: MQError) -> None:
+        with self._cond:
+            self._error = err
+            self._cond.notify_all()
+
+    def _io_flush_acks(self) -> None:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        ch = self._ch
+        if ch is None or ch == "opening" or not ch.is_open:
+            return
+        gen = self._ch_gen
+        tags = sorted(tag for g, tag in acks if g == gen)
+        for tag in tags:
+            ch.basic_ack(tag)
+
+    def _io_ack_raw(self, raws: Sequence[_Raw]) -> None:
+        ch = self._ch
+        if ch is None or ch == "opening" or not ch.is_open:
+            return
+        for raw in raws:
+            if raw.gen == self._ch_gen:
+                ch.basic_ack(raw.tag)
+
+    def _io_requeue_raw(self, raws: Sequence[_Raw]) -> None:
+        ch = self._ch
+        if ch is None or ch == "opening" or not ch.is_open:
+            return
+        for raw in raws:
+            if raw.gen == self._ch_gen:
+                ch.basic_nack(raw.tag, requeue=True)
+
+    def _io_copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
+                          then: Callable[[], None] | None = None) -> None:
+        """Publish each copy; ack its original once confirmed (requeue it if refused)."""
+        if not copies:
+            if then is not None:
+                then()
+            return
+
+        def done(pend: _Pending) -> None:
+            good = set(pend.acked) | set(pend.returned)
+            self._io_ack_raw([copies[j][0] for j in sorted(good)])
+            self._io_requeue_raw([copies[j][0] for j in range(len(copies)) if j not in good])
+            if then is not None:
+                then()
+
+        self._link.send([c[1] for c in copies], _Pending(len(copies), done))
+
+    def _io_tick(self, now: float) -> None:
+        expired: list[_Receipt] = []
+        with self._lock:
+            leases = self._leases
+            while leases and (leases[0].done or leases[0].extended
+                              or leases[0].deadline <= now):
+                receipt = leases.popleft()
+                if not receipt.done and not receipt.extended:
+                    receipt.done = True
+                    expired.append(receipt)
+            ext = self._extended
+            while ext and (ext[0][2].done or ext[0][0] <= now):
+                deadline, _, receipt = heapq.heappop(ext)
+                if not receipt.done and receipt.deadline == deadline:
+                    receipt.done = True
+                    expired.append(receipt)
+            idle = (self._ctag is not None and not self._cancelling and self._receiving == 0
+                    and now - self._last_receive > self._idle)
+        if expired:
+            self._io_copy_then_ack(
+                [(r.raw, self._driver._retry_item(r.raw, self.queue, r.attempt + 1, 0.0))
+                 for r in expired]
+            )
+        if idle:
+            self._io_pause()
+
+    def _io_pause(self, then: Callable[[], None] | None = None) -> None:
+        """Stop consuming and hand the unread buffer back to the queue."""
+        ch, ctag = self._ch, self._ctag
+        self._want = False
+        if ch is None or ch == "opening" or ctag is None or not ch.is_open:
+            if then is not None:
+                then()
+            return
+        self._cancelling = True
+
+        def cancelled(_frame: Any) -> None:
+            self._ctag = None
+            self._cancelling = False
+            with self._lock:
+                buf, self._buf = self._buf, []
+            raws = [raw for _, _, raw in sorted(buf) if raw.gen == self._ch_gen]
+
+            def after() -> None:
+                if self._want and not self._closed:
+                    self._io_start()
+                if then is not None:
+                    then()
+
+            self._io_copy_then_ack(
+                [(raw, self._driver._retry_item(raw, self.queue, raw.attempt(), None))
+                 for raw in raws],
+                after,
+            )
+
+        ch.basic_cancel(ctag, callback=cancelled)
+
+    def _io_close(self, done: threading.Event) -> None:
+        def finish() -> None:
+            self._io_flush_acks()
+            ch = self._ch
+            self._ch = None
+            if ch is not None and ch != "opening" and ch.is_open:
+                ch.close()
+            self._link.subs.discard(self)
+            done.set()
+
+        if self._cancelling:
+            self._link.ioloop.call_later(0.05, lambda: self._io_close(done))
+            return
+        self._io_pause(finish)
+
+    # -- caller threads --------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise Closed(f"subscription to group {self.spec.name!r} is closed")
+        if self._error is not None:
+            raise self._error
+        self._driver._check()
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        self._check()
+        if not self._want or self._ch is None:
+            self._want = True
+            self._link.call(self._io_start)
+        deadline = time.monotonic() + timeout
+        out: list[Delivery] = []
+        while True:
+            early: list[tuple[_Raw, float]] = []
+            with self._cond:
+                self._receiving += 1
+                try:
+                    while not self._buf and self._error is None and not self._closed:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    if self._error is not None:
+                        raise self._error
+                    now = time.time()
+                    lease_until = time.monotonic() + self.spec.lease
+                    while self._buf and len(out) < max_messages:
+                        raw = heapq.heappop(self._buf)[2]
+                        if raw.gen != self._ch_gen:
+                            continue  # from a channel that is gone: it comes back anyway
+                        due = raw.due()
+                        if due is not None and due > now:
+                            early.append((raw, due))
+                            continue
+                        attempt = raw.attempt()
+                        receipt = _Receipt(raw, attempt, lease_until)
+                        self._leases.append(receipt)
+                        out.append(self._driver._delivery(raw, attempt, receipt))
+                finally:
+                    self._receiving -= 1
+                    self._last_receive = time.monotonic()
+            if early:
+                self._retier(early)
+            if out or self._closed or deadline - time.monotonic() <= 0:
+                return out
+
+    def _retier(self, early: list[tuple[_Raw, float]]) -> None:
+        """Messages out of their wait tier too soon: send each to the next tier."""
+        copies = []
+        for raw, due in early:
+            item = self._driver._retry_item(raw, self.queue, raw.attempt(), due)
+            copies.append((raw, item))
+        self._link.call(lambda: self._io_copy_then_ack(copies))
+
+    def _take(self, receipt: Any) -> _Receipt | None:
+        """Mark a receipt settled; None when it is stale (lease expired, channel gone)."""
+        if not isinstance(receipt, _Receipt):
+            raise InvalidArgument("not a receipt of this backend")
+        with self._lock:
+            if receipt.done:
+                return None
+            receipt.done = True
+            return receipt
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        self._check()
+        with self._lock:
+            first = not self._acks
+            for receipt in receipts:
+                if isinstance(receipt, _Receipt) and not receipt.done:
+                    receipt.done = True
+                    self._acks.append((receipt.raw.gen, receipt.raw.tag))
+            schedule = first and bool(self._acks)
+        if schedule:
+            self._link.call(self._io_flush_acks)
+
+    def _settle_by_copy(self, receipt: _Receipt, item: _Item) -> None:
+        pend = self._link.publish([item], self._driver._publish_timeout)
+        if pend.acked or pend.returned:  # returned: the target queue is gone, nothing to keep
+            raw = receipt.raw
+            self._link.call(lambda: self._io_ack_raw([raw]))
+            return
+        if pend.failed:
+            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
+        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: not confirmed in time "
+                               f"({self._link.last_error or 'connection lost'})")
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        self._check()
+        taken = self._take(receipt)
+        if taken is None:
+            return
+        due = time.time() + delay if delay > 0 else None
+        item = self._driver._retry_item(taken.raw, self.queue, taken.attempt + 1, due)
+        self._settle_by_copy(taken, item)
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        self._check()
+        if not isinstance(receipt, _Receipt):
+            raise InvalidArgument("not a receipt of this backend")
+        with self._lock:
+            if receipt.done:
+                return
+            receipt.extended = True
+            receipt.deadline = time.monotonic() + seconds
+            heapq.heappush(self._extended, (receipt.deadline, next(self._seq), receipt))
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        self._check()
+        taken = self._take(receipt)
+        if taken is None:
+            return
+        raw = taken.raw
+        props = _copy_props(
+            raw.props,
+            **{H_TOPIC: self._driver._topic_of(raw), H_REASON: reason,
+               H_ATTEMPTS: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
+        )
+        item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
+        pend = self._link.publish([item], self._driver._publish_timeout)
+        if pend.returned:
+            raise NotFound(f"dead-letter queue of group {self.spec.name!r} is missing")
+        if pend.acked:
+            self._link.call(lambda: self._io_ack_raw([raw]))
+            return
+        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not confirmed "
+                               f"({self._link.last_error or 'connection lost'})")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._cond.notify_all()
+        done = threading.Event()
+        if self._link._thread.is_alive() and not self._link.closing:
+            self._link.call(lambda: self._io_close(done))
+            done.wait(self._driver._publish_timeout)
+        self._link.subs.discard(self)
+
+
+_CHANNEL_GEN = itertools.count(1)
+
+
+# ----------------------------------------------------------------------------------------
+# blocking admin connection
+
+
+class _Admin:
+    """A BlockingConnection for declarations and queue inspection, one caller at a time."""
+
+    def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
+        self.params = params
+        self.where = where
+        self.lock = threading.RLock()
+        self.conn: pika.BlockingConnection | None = None
+        self._ch: Any = None
+
+    def connect(self) -> None:
+        try:
+            self.conn = pika.BlockingConnection(self.params)
+        except Exception as exc:
+            raise ConnectionFailed(
+                f"cannot connect to RabbitMQ at {self.where}: {redact(_describe(exc))}"
+            ) from exc
+        self._ch = None
+
+    @property
+    def ch(self) -> Any:
+        if self.conn is None or not self.conn.is_open:
+            self.connect()
+        if self._ch is None or not self._ch.is_open:
+            assert self.conn is not None
+            self._ch = self.conn.channel()
+        return self._ch
+
+    def reset_channel(self) -> None:
+        self._ch = None
+
+    def run(self, fn: Callable[[_Admin], Any], what: str) -> Any:
+        with self.lock:
+            for attempt in (1, 2):
+                try:
+                    return fn(self)
+                except pex.ChannelClosedByBroker as exc:
+                    self._ch = None
+                    raise _channel_error(exc, what) from exc
+                except _CONN_ERRORS as exc:
+                    self.close()
+                    if attempt == 2:
+                        raise ConnectionFailed(
+                            f"rabbitmq at {self.where}: {what} failed: {redact(_describe(exc))}"
+                        ) from exc
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        conn, self.conn, self._ch = self.conn, None, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+def _channel_error(exc: pex.ChannelClosedByBroker, what: str) -> MQError:
+    text = redact(f"{what}: ({exc.reply_code}) {exc.reply_text}")
+    if exc.reply_code == 404:
+        return NotFound(text)
+    if exc.reply_code == 406:
+        return InvalidArgument(text)
+    return MQError(f"rabbitmq: {text}")
+
+
+# ----------------------------------------------------------------------------------------
+# the driver
+
+
+class RabbitMQDriver(Driver):
+    """RabbitMQ through pika: topic exchange, a queue per group, emulated leases/delays."""
+
+    name: ClassVar[str] = "rabbitmq"
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "exchange": Option(str, "mqabstract", "topic exchange; also the prefix of queue names"),
+        "prefetch": Option(int, 100, "unacked messages the broker may push to one consumer"),
+        "queue_type": Option(str, "auto", "auto (quorum, classic for priority groups), "
+                             "quorum or classic"),
+        "heartbeat": Option(int, 30, "AMQP heartbeat, seconds"),
+        "connect_timeout": Option(float, 10.0, "seconds to establish a connection"),
+        "publish_timeout": Option(float, 30.0, "seconds a publish may wait for confirms, "
+                                  "reconnects included"),
+        "max_body_bytes": Option(int, 128 * 1024 * 1024 - 64 * 1024,
+                                 "largest body accepted (RabbitMQ's max_message_size minus "
+                                 "room for properties)"),
+        "verify": Option(bool, True, "amqps: verify the server certificate"),
+        "ca_file": Option(str, None, "amqps: CA bundle to verify the server with"),
+    }
+
+    def __init__(self, url: BrokerURL, opts: Mapping[str, Any]) -> None:
+        self._url = url
+        self._where = url.redacted()
+        self._exchange: str = opts["exchange"]
+        self._prefetch: int = opts["prefetch"]
+        self._queue_type: str = opts["queue_type"]
+        self._publish_timeout: float = opts["publish_timeout"]
+        self._closed = False
+        self._declared: set[tuple[str, str]] = set()
+        self._tiers: set[tuple[str, int]] = set()
+        params = self._params(url, opts)
+        self._admin = _Admin(params, self._where)
+        self._link = _Link(params, self._where)
+        self._caps = self._capabilities(opts["max_body_bytes"])
+
+    # -- opening ---------------------------------------------------------------------------
+    @staticmethod
+    def _params(url: BrokerURL, opts: Mapping[str, Any]) -> list[pika.ConnectionParameters]:
+        hosts = url.hosts or (("127.0.0.1", None),)
+        tls = url.scheme == "amqps"
+        ssl_options = None
+        if tls:
+            context = ssl.create_default_context(cafile=opts["ca_file"])
+            if not opts["verify"]:
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+        vhost = url.path or "/"
+        creds = pika.PlainCredentials(url.username or "guest", url.password or "guest")
+        timeout = opts["connect_timeout"]
+        out = []
+        for host, port in hosts:
+            if tls:
+                ssl_options = pika.SSLOptions(context, host)
+            out.append(pika.ConnectionParameters(
+                host=host, port=port or (5671 if tls else 5672), virtual_host=vhost,
+                credentials=creds, heartbeat=opts["heartbeat"], ssl_options=ssl_options,
+                connection_attempts=1, socket_timeout=timeout, stack_timeout=timeout,
+                blocked_connection_timeout=opts["publish_timeout"],
+                client_properties={"connection_name": "mqabstract"},
+            ))
+        return out
+
+    @classmethod
+    def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> RabbitMQDriver:
+        opts = parse_options(url, options, cls.OPTIONS, cls.name)
+        if opts["queue_type"] not in ("auto", "quorum", "classic"):
+            raise InvalidArgument("queue_type must be auto, quorum or classic")
+        if opts["prefetch"] < 1:
+            raise InvalidArgument("prefetch must be ≥ 1")
+        if not opts["exchange"] or len(opts["exchange"]) > 100:
+            raise InvalidArgument("exchange must be 1-100 characters")
+        driver = cls(url, opts)
+        driver._admin.run(
+            lambda a: a.ch.exchange_declare(driver._exchange, "topic", durable=True),
+            "declaring the exchange",
+        )
+        try:
+            driver._link.start(opts["connect_timeout"])
+        except BaseException:
+            driver._admin.close()
+            raise
+        return driver
+
+    def _capabilities(self, max_body: int) -> Capabilities:
+        f = Feature
+        return Capabilities(
+            features={
+                f.WILDCARDS: Support.NATIVE,
+                f.FANOUT: Support.NATIVE,
+                f.COMPETING: Support.NATIVE,
+                f.LEASE_EXTEND: Support.EMULATED,
+                f.NACK_DELAY: Support.EMULATED,
+                f.DELAY: Support.EMULATED,
+                f.PRIORITY: Support.NATIVE,
+                f.ORDERING: Support.NATIVE,
+                f.DEAD_LETTER: Support.EMULATED,
+                f.BATCH: Support.NATIVE,
+            },
+            max_body_bytes=max_body,
+            max_headers=64,
+            max_header_bytes=16 * 1024,
+            max_delay=365 * 86400.0,
+            max_batch=1000,
+            max_priority=9,
+            max_lease=12 * 3600.0,
+            max_receive=1000,
+            notes={
+                f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
+                                "timeout): an expired message is copied back with attempt+1",
+                f.NACK_DELAY: "per-tier wait queues with TTL dead-lettering to the group",
+                f.DELAY: "per-tier wait queues with TTL dead-lettering to the exchange; "
+                         "re-tiered until due, never early",
+                f.PRIORITY: "groups declared priority=True use classic queues with "
+                            "x-max-priority (no quorum replication, redelivery counted "
+                            "from the redelivered flag); other groups are FIFO quorum queues",
+                f.ORDERING: "groups declared ordered=True use x-single-active-consumer",
+                f.DEAD_LETTER: "a classic dead-letter queue per group, filled by the driver",
+                f.BATCH: "publisher confirms pipelined on one channel",
+            },
+        )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def _check(self) -> None:
+        if self._closed:
+            raise Closed(f"broker {self._where} is closed")
+
+    # -- naming ----------------------------------------------------------------------------
+    def _group_queue(self, group: str) -> str:
+        return _queue_name(self._exchange, "g", group)
+
+    def _dead_queue(self, group: str) -> str:
+        return _queue_name(self._exchange, "dlq", group)
+
+    def _tier_name(self, family: str, ms: int) -> str:
+        return _queue_name(self._exchange, "wait", family, str(ms))
+
+    def _queue_args(self, spec: GroupSpec) -> dict[str, Any]:
+        kind = self._queue_type
+        if kind == "auto":
+            kind = "classic" if spec.priority else "quorum"
+        args: dict[str, Any] = {}
+        if kind == "quorum":
+            args["x-queue-type"] = "quorum"
+        else:
+            args["x-max-priority"] = 9
+        if spec.ordered:
+            args["x-single-active-consumer"] = True
+        return args
+
+    # -- message mapping -------------------------------------------------------------------
+    def _props(self, env: Envelope, due: float | None) -> pika.BasicProperties:
+        headers: dict[str, Any] = {}
+        content_type = None
+        for name, value in env.headers.items():
+            if name == CONTENT_TYPE:
+                content_type = value
+            else:
+                headers[name] = value
+        headers[H_TOPIC] = env.topic
+        headers[H_PUBLISHED] = repr(env.published_at)
+        if env.key is not None:
+            headers[H_KEY] = env.key
+        if due is not None:
+            headers[H_DUE] = repr(due)
+        return pika.BasicProperties(
+            content_type=content_type,
+            headers=headers,
+            delivery_mode=2,
+            priority=env.priority,
+            message_id=env.id,
+            timestamp=int(env.published_at),
+        )
+
+    def _topic_of(self, raw: _Raw) -> str:
+        headers = raw.props.headers or {}
+        return _text(headers[H_TOPIC]) if H_TOPIC in headers else raw.routing_key
+
+    def _delivery(self, raw: _Raw, attempt: int, receipt: _Receipt) -> Delivery:
+        props = raw.props
+        headers: dict[str, str] = {}
+        key = None
+        published = None
+        for name, value in (props.headers or {}).items():
+            if name.startswith("mq-"):
+                if name == H_KEY:
+                    key = _text(value)
+                elif name == H_PUBLISHED:
+                    published = float(_text(value))
+                continue
+            if name in _BROKER_HEADERS:
+                continue
+            headers[name] = _text(value)
+        if props.content_type:
+            headers[CONTENT_TYPE] = props.content_type
+        if published is None:
+            published = float(props.timestamp) if props.timestamp else time.time()
+        if not props.message_id:  # a foreign publisher sent no id: pin one to this copy
+            props.message_id = uuid.uuid4().hex
+        return Delivery(
+            id=props.message_id,
+            topic=self._topic_of(raw),
+            body=raw.body,
+            headers=headers,
+            key=key,
+            priority=props.priority or 0,
+            attempt=attempt,
+            published_at=published,
+            receipt=receipt,
+        )
+
+    def _retry_item(self, raw: _Raw, queue: str, attempt: int, due: float | None) -> _Item:
+        """A copy of ``raw`` for ``queue`` with ``attempt``; through a wait tier if ``due``
+        is in the future (then ``due`` is also written down so early arrivals are caught)."""
+        props = _copy_props(raw.props, **{H_TOPIC: self._topic_of(raw),
+                                          H_ATTEMPT: str(attempt),
+                                          H_DUE: repr(due) if due is not None else None})
+        if due is not None:
+            left = due - time.time()
+            if left > 0:
+                tier = self._ensure_tier("q", _tier_for(left))
+                return _Item(tier, queue, raw.body, props, True)
+        return _Item("", queue, raw.body, props, True)
+
+    # -- delay tiers -----------------------------------------------------------------------
+    def _ensure_tier(self, family: str, ms: int) -> str:
+        """Declare (once) the fanout exchange + TTL queue of one tier; return the exchange.
+
+        Family ``t`` dead-letters to the topic exchange (routing key = topic), family ``q``
+        to the default exchange (routing key = the group's queue name)."""
+        name = self._tier_name(family, ms)
+        if (family, ms) in self._tiers:
+            return name
+        target = self._exchange if family == "t" else ""
+
+        def declare(a: _Admin) -> None:
+            ch = a.ch
+            ch.exchange_declare(name, "fanout", durable=True)
+            ch.queue_declare(name, durable=True, arguments={
+                "x-message-ttl": ms, "x-dead-letter-exchange": target,
+            })
+            ch.queue_bind(name, name)
+
+        self._admin.run(declare, f"declaring delay tier {ms} ms")
+        self._tiers.add((family, ms))
+        return name
+
+    # -- publishing ------------------------------------------------------------------------
+    def _items(self, envelopes: Sequence[Envelope]) -> list[_Item]:
+        now = time.time()
+        items = []
+        for env in envelopes:
+            due = env.deliver_at if env.deliver_at is not None and env.deliver_at > now else None
+            props = self._props(env, due)
+            if due is None:
+                items.append(_Item(self._exchange, env.topic, env.body, props))
+            else:
+                tier = self._ensure_tier("t", _tier_for(due - now))
+                items.append(_Item(tier, env.topic, env.body, props, True))
+        return items
+
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        self._check()
+        items = self._items(envelopes)
+        pend = self._link.publish(items, self._publish_timeout)
+        if pend.returned:  # a wait tier vanished (deleted behind our back): declare, resend
+            self._tiers.clear()
+            again = self._items([envelopes[i] for i in pend.returned])
+            retry = self._link.publish(again, self._publish_timeout)
+            with pend.lock:
+                for j in retry.acked:
+                    pend.acked.append(pend.returned[j])
+                returned, pend.returned = pend.returned, []
+                for j in retry.returned:
+                    pend.failed[returned[j]] = "the delay tier queue is missing"
+                for j, why in retry.failed.items():
+                    pend.failed[returned[j]] = why
+        acked = set(pend.acked)
+        if len(acked) == len(envelopes):
+            return
+        failed: dict[int, MQError] = {}
+        why = self._link.last_error or "connection lost"
+        for i in range(len(envelopes)):
+            if i in acked:
+                continue
+            if i in pend.failed:
+                failed[i] = MQError(f"rabbitmq: {pend.failed[i]}")
+            else:
+                failed[i] = ConnectionFailed(
+                    f"rabbitmq at {self._where}: not confirmed within "
+                    f"{self._publish_timeout:g}s ({why})")
+        if len(envelopes) == 1:
+            raise failed[0]
+        raise PublishError(
+            f"{len(failed)} of {len(envelopes)} messages not confirmed by {self._where}",
+            published=[envelopes[i].id for i in sorted(acked)],
+            failed=failed,
+        )
+
+    # -- groups ----------------------------------------------------------------------------
+    def declare(self, spec: GroupSpec) -> None:
+        self._check()
+        if (spec.name, spec.pattern) in self._declared:
+            return
+        queue = self._group_queue(spec.name)
+        args = self._queue_args(spec)
+
+        def declare(a: _Admin) -> None:
+            try:
+                a.ch.queue_declare(queue, durable=True, arguments=args)
+            except pex.ChannelClosedByBroker as exc:
+                if exc.reply_code != 406:
+                    raise
+                # Declared before with other hints (queue type): keep the existing queue.
+                a.reset_channel()
+                a.ch.queue_declare(queue, passive=True)
+            a.ch.queue_declare(self._dead_queue(spec.name), durable=True)
+            a.ch.queue_bind(queue, self._exchange, routing_key=spec.pattern)
+
+        self._admin.run(declare, f"declaring group {spec.name!r}")
+        self._declared.add((spec.name, spec.pattern))
+
+    def subscribe(self, spec: GroupSpec) -> DriverSubscription:
+        self._check()
+        return _Sub(self, spec)
+
+    # -- dead letters ----------------------------------------------------------------------
+    def _drain_dead(self, a: _Admin, group: str, limit: int | None) -> list[tuple[Any, Any, bytes]]:
+        """basic.get up to ``limit`` dead letters (unacked, in order)."""
+        ch = a.ch
+        queue = self._dead_queue(group)
+        ch.queue_declare(queue, passive=True)
+        got = []
+        while limit is None or len(got) < limit:
+            method, props, body = ch.basic_get(queue, auto_ack=False)
+            if method is None:
+                break
+            got.append((method, props, body))
+        return got
+
+    def _dead_letter(self, props: Any, body: bytes, routing_key: str) -> DeadLetter:
+        headers = {k: v for k, v in (props.headers or {}).items()}
+        user = {}
+        for name, value in headers.items():
+            if not name.startswith("mq-") and name not in _BROKER_HEADERS:
+                user[name] = _text(value)
+        if props.content_type:
+            user[CONTENT_TYPE] = props.content_type
+        published = headers.get(H_PUBLISHED)
+        dead_at = headers.get(H_DEAD_AT)
+        return DeadLetter(
+            id=props.message_id or "",
+            topic=_text(headers.get(H_TOPIC, routing_key)),
+            body=body,
+            headers=user,
+            key=_text(headers[H_KEY]) if H_KEY in headers else None,
+            priority=props.priority or 0,
+            published_at=utc(float(_text(published)) if published is not None
+                             else float(props.timestamp or 0)),
+            attempts=int(_text(headers.get(H_ATTEMPTS, 0))),
+            reason=_text(headers.get(H_REASON, "")),
+            dead_lettered_at=utc(float(_text(dead_at))) if dead_at is not None else None,
+        )
+
+    def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
+        self._check()
+
+        def run(a: _Admin) -> list[DeadLetter]:
+            got = self._drain_dead(a, group, limit)
+            if got:
+                a.ch.basic_nack(got[-1][0].delivery_tag, multiple=True, requeue=True)
+            return [self._dead_letter(p, b, m.routing_key) for m, p, b in got]
+
+        return self._admin.run(run, f"listing dead letters of {group!r}")  # type: ignore[no-any-return]
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        self._check()
+        queue = self._group_queue(group)
+
+        def run(a: _Admin) -> int:
+            a.ch.queue_declare(queue, passive=True)
+            got = self._drain_dead(a, group, None)
+            picked = [g for g in got if ids is None or g[1].message_id in ids]
+            items = []
+            for _m, props, body in picked:
+                fresh = _copy_props(props, **{H_ATTEMPT: None, H_REASON: None,
+                                              H_ATTEMPTS: None, H_DEAD_AT: None, H_DUE: None})
+                items.append(_Item("", queue, body, fresh, True))
+            pend = self._link.publish(items, self._publish_timeout) if items else None
+            moved = set(pend.acked) if pend is not None else set()
+            ch = a.ch
+            keep = {id(g) for j, g in enumerate(picked) if j in moved}
+            for g in got:
+                if id(g) in keep:
+                    ch.basic_ack(g[0].delivery_tag)
+                else:
+                    ch.basic_nack(g[0].delivery_tag, requeue=True)
+            if pend is not None and len(moved) < len(items):
+                raise ConnectionFailed(f"rabbitmq at {self._where}: replayed {len(moved)} of "
+                                       f"{len(items)} dead letters; retry for the rest")
+            return len(moved)
+
+        return self._admin.run(run, f"replaying dead letters of {group!r}")  # type: ignore[no-any-return]
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        self._check()
+        queue = self._dead_queue(group)
+
+        def run(a: _Admin) -> int:
+            if ids is None:
+                a.ch.queue_declare(queue, passive=True)
+                return int(a.ch.queue_purge(queue).method.message_count)
+            got = self._drain_dead(a, group, None)
+            count = 0
+            for method, props, _body in got:
+                if props.message_id in ids:
+                    a.ch.basic_ack(method.delivery_tag)
+                    count += 1
+                else:
+                    a.ch.basic_nack(method.delivery_tag, requeue=True)
+            return count
+
+        return self._admin.run(run, f"purging dead letters of {group!r}")  # type: ignore[no-any-return]
+
+    def stats(self, group: str) -> GroupStats:
+        self._check()
+
+        def run(a: _Admin) -> GroupStats:
+            ready = a.ch.queue_declare(self._group_queue(group), passive=True)
+            dead = a.ch.queue_declare(self._dead_queue(group), passive=True)
+            return GroupStats(group, ready.method.message_count, None, None,
+                              dead.method.message_count)
+
+        return self._admin.run(run, f"stats of group {group!r}")  # type: ignore[no-any-return]
+
+    def delete_group(self, group: str) -> None:
+        self._check()
+
+        def run(a: _Admin) -> None:
+            a.ch.queue_declare(self._group_queue(group), passive=True)
+            a.ch.queue_delete(self._group_queue(group))
+            a.ch.queue_delete(self._dead_queue(group))
+
+        try:
+            self._admin.run(run, f"deleting group {group!r}")
+        finally:
+            self._declared = {d for d in self._declared if d[0] != group}
+
+    # -- closing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in list(self._link.subs):
+            with contextlib.suppress(Exception):
+                sub.close()
+        self._link.stop()
+        self._admin.close()
