@@ -50,7 +50,7 @@ class BrokerURL:
         netloc, sep, tail = rest.partition("/")
         query = ""
         if "?" in netloc:
-            netloc, _, query = netloc.partition("?")
+            netloc, _, query = rest.partition("?")  # query may contain "/" (endpoint_url)
             tail = ""
         else:
             parts = urlsplit("x://h/" + tail) if sep else None
