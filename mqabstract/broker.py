@@ -143,11 +143,11 @@ class Message:
 
     def _begin(self, op: str) -> bool:
         """Mark the message settled by ``op``; False if it already was by the same op."""
+        self._sub._check_open()
         if self._state == op:
             return False
         if self._state is not None:
             raise AlreadySettled(f"message {self.id} was already {self._state}")
-        self._sub._check_open()
         self._state = op
         return True
 

@@ -1,0 +1,143 @@
+"""Helpers shared by the conformance scenarios: unique names, draining, cleanup, gates."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import mqabstract
+from mqabstract import Broker, Feature, Message, Subscription
+
+log = logging.getLogger("mqabstract.conformance")
+
+
+class Ctx:
+    """What a scenario needs: the broker, unique names, timing, and cleanup at teardown."""
+
+    def __init__(self, url: str, broker: Broker, scale: float = 1.0) -> None:
+        self.url = url
+        self.broker = broker
+        self.caps = broker.capabilities
+        self.scale = scale
+        self.token = "c" + secrets.token_hex(4)
+        self._groups: list[tuple[Broker, str]] = []
+        self._brokers: list[Broker] = []
+        self._subs: list[Subscription] = []
+
+    # -- timing --------------------------------------------------------------------------
+    @property
+    def lease(self) -> float:
+        """Short lease used by lease scenarios (whole seconds: SQS has 1 s granularity)."""
+        return 2.0 * self.scale
+
+    @property
+    def delay(self) -> float:
+        return 2.0 * self.scale
+
+    @property
+    def wait(self) -> float:
+        """Upper bound to wait for messages that must arrive (returns as soon as they do)."""
+        return 15.0 * self.scale
+
+    @property
+    def quiet(self) -> float:
+        """How long to watch for messages that must NOT arrive."""
+        return 1.5 * self.scale
+
+    # -- names ---------------------------------------------------------------------------
+    def topic(self, *words: str) -> str:
+        return ".".join(("mqc", self.token, *words))
+
+    def pattern(self, *words: str) -> str:
+        return ".".join(("mqc", self.token, *words))
+
+    def group(self, name: str = "g") -> str:
+        return f"mqc-{self.token}-{name}"
+
+    # -- resources -----------------------------------------------------------------------
+    def connect(self) -> Broker:
+        """A second, independent connection to the same URL (closed at teardown)."""
+        broker = mqabstract.connect(self.url)
+        self._brokers.append(broker)
+        return broker
+
+    def subscribe(
+        self, name: str, pattern: str, broker: Broker | None = None, **kw: Any
+    ) -> Subscription:
+        broker = broker or self.broker
+        group = self.group(name)
+        sub = broker.subscribe(group, pattern, **kw)
+        self._remember(broker, group)
+        self._subs.append(sub)
+        return sub
+
+    def declare(self, name: str, pattern: str, broker: Broker | None = None, **kw: Any) -> str:
+        broker = broker or self.broker
+        group = self.group(name)
+        broker.declare(group, pattern, **kw)
+        self._remember(broker, group)
+        return group
+
+    def _remember(self, broker: Broker, group: str) -> None:
+        if all(g != group for _, g in self._groups):
+            self._groups.append((broker, group))
+
+    def cleanup(self) -> None:
+        for sub in self._subs:
+            try:
+                sub.close()
+            except Exception as exc:  # closing after the broker closed, etc.
+                log.debug("cleanup: %s", exc)
+        for broker, group in self._groups:
+            target = self.broker if broker.closed else broker
+            try:
+                target.delete_group(group)
+            except Exception as exc:
+                log.debug("cleanup: delete %s: %s", group, exc)
+        for broker in self._brokers:
+            try:
+                broker.close()
+            except Exception as exc:
+                log.debug("cleanup: close: %s", exc)
+
+    # -- gates ---------------------------------------------------------------------------
+    def require(self, *features: Feature) -> None:
+        for feature in features:
+            if not self.caps.supports(feature):
+                pytest.skip(f"{self.broker.backend} declares {feature.value} UNSUPPORTED")
+
+    # -- receiving -----------------------------------------------------------------------
+    def drain(
+        self,
+        sub: Subscription,
+        count: int,
+        timeout: float | None = None,
+        ack: bool = True,
+        on_message: Callable[[Message], None] | None = None,
+    ) -> list[Message]:
+        """Receive until ``count`` messages arrived or ``timeout``; ack each unless told not."""
+        deadline = time.monotonic() + (self.wait if timeout is None else timeout)
+        got: list[Message] = []
+        while len(got) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for msg in sub.receive(min(count - len(got), 100), left):
+                got.append(msg)
+                if on_message is not None:
+                    on_message(msg)
+                if ack:
+                    msg.ack()
+        return got
+
+    def expect_none(self, sub: Subscription, timeout: float | None = None) -> None:
+        """Assert that nothing arrives within ``timeout`` (default ``quiet``)."""
+        got = sub.receive(10, self.quiet if timeout is None else timeout)
+        for msg in got:
+            msg.nack()
+        assert not got, f"expected no message, got {got}"

@@ -1,0 +1,82 @@
+"""Capability truthfulness: what is declared UNSUPPORTED raises, limits are real."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import mqabstract
+from mqabstract import Capabilities, Feature, Support
+
+from .harness import Ctx
+
+
+def _message(ctx: Ctx) -> mqabstract.Message:
+    sub = ctx.subscribe("probe", ctx.pattern("#"))
+    ctx.broker.publish(ctx.topic("probe"), b"x")
+    [msg] = ctx.drain(sub, 1, ack=False)
+    return msg
+
+
+# One call per feature that must raise Unsupported when the feature is UNSUPPORTED.
+PROBES: dict[Feature, Callable[[Ctx], object]] = {
+    Feature.WILDCARDS: lambda c: c.broker.subscribe(c.group("w"), c.pattern("*")),
+    Feature.DELAY: lambda c: c.broker.publish(c.topic("d"), b"x", delay=1),
+    Feature.PRIORITY: lambda c: c.broker.publish(c.topic("p"), b"x", priority=5),
+    Feature.ORDERING: lambda c: c.broker.subscribe(c.group("o"), c.pattern("#"), ordered=True),
+    Feature.NACK_DELAY: lambda c: _message(c).nack(delay=1),
+    Feature.LEASE_EXTEND: lambda c: _message(c).extend(5),
+    Feature.DEAD_LETTER: lambda c: c.broker.dead_letters(c.declare("dl", c.pattern("#"))),
+}
+
+
+def test_capabilities_declare_every_feature(mq_ctx: Ctx) -> None:
+    caps = mq_ctx.caps
+    assert isinstance(caps, Capabilities)
+    assert set(caps.features) == set(Feature)
+    assert all(isinstance(s, Support) for s in caps.features.values())
+    assert caps.max_body_bytes > 0 and caps.max_batch > 0 and caps.max_receive > 0
+    assert 0 <= caps.max_priority <= 9
+    if caps.supports(Feature.PRIORITY):
+        assert caps.max_priority == 9, "priority support means the contract's 0-9"
+
+
+@pytest.mark.parametrize("feature", sorted(PROBES, key=lambda f: f.value), ids=lambda f: f.value)
+def test_feature_probe_matches_declaration(mq_ctx: Ctx, feature: Feature) -> None:
+    """UNSUPPORTED raises ``Unsupported``; NATIVE / EMULATED must not."""
+    if mq_ctx.caps.supports(feature):
+        PROBES[feature](mq_ctx)  # must simply work
+        return
+    with pytest.raises(mqabstract.Unsupported) as info:
+        PROBES[feature](mq_ctx)
+    assert not info.value.retryable and mq_ctx.broker.backend in str(info.value)
+
+
+def test_limits_are_enforced_before_send(mq_ctx: Ctx) -> None:
+    caps = mq_ctx.caps
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"))
+    with pytest.raises(mqabstract.MessageTooLarge):
+        mq_ctx.broker.publish(mq_ctx.topic("x"), b"\0" * (caps.max_body_bytes + 1))
+    too_many = {f"h{i}": "v" for i in range(caps.max_headers + 1)}
+    with pytest.raises(mqabstract.MessageTooLarge):
+        mq_ctx.broker.publish(mq_ctx.topic("x"), b"x", headers=too_many)
+    big_value = {"h": "v" * (caps.max_header_bytes + 1)}
+    with pytest.raises(mqabstract.MessageTooLarge):
+        mq_ctx.broker.publish(mq_ctx.topic("x"), b"x", headers=big_value)
+    with pytest.raises(mqabstract.InvalidArgument):
+        mq_ctx.broker.subscribe(mq_ctx.group("l"), mq_ctx.pattern("#"), lease=caps.max_lease + 1)
+    mq_ctx.expect_none(sub)
+
+
+def test_unknown_option_rejected(mq_ctx: Ctx) -> None:
+    with pytest.raises(mqabstract.InvalidArgument, match="unknown"):
+        mqabstract.connect(mq_ctx.url, surely_not_an_option_xyz=1)
+
+
+def test_repr_and_errors_hide_secrets(mq_ctx: Ctx) -> None:
+    text = repr(mq_ctx.broker) + mq_ctx.broker.url
+    parsed = mqabstract.BrokerURL.parse(mq_ctx.url)
+    if parsed.password:
+        assert parsed.password not in text
+    assert "***" in text or not parsed.password
