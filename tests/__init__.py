@@ -1,0 +1,1 @@
+"""mqabstract tests: unit tests of the portable layer and backend-specific tests."""

@@ -1,0 +1,1 @@
+"""Backend-specific tests (interop with raw clients, restarts, crashes)."""
