@@ -42,7 +42,9 @@ class BrokerURL:
     def parse(cls, url: str) -> BrokerURL:
         """Parse ``scheme://[user[:pass]@]host[:port][,host[:port]...][/path][?query]``."""
         if not isinstance(url, str) or "://" not in url:
-            raise InvalidURL(f"not a broker URL (expected scheme://...): {redact(str(url))!r}")
+            # Never echo unparsable input: it may hold a password in an unexpected place.
+            head = str(url).split(":", 1)[0][:20]
+            raise InvalidURL(f"not a broker URL (expected scheme://...); it starts {head!r}")
         scheme, rest = url.split("://", 1)
         if not _SCHEME.match(scheme):
             raise InvalidURL(f"invalid URL scheme {scheme!r}")

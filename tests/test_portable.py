@@ -1,0 +1,271 @@
+"""The portable layer over the memory reference, with a fake clock (no long sleeps)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+import mqabstract
+from mqabstract import Backoff, FakeClock, Feature, OutgoingMessage, Support
+from mqabstract.backends.memory import MemoryDriver
+from mqabstract.errors import ConnectionFailed, PublishError
+from mqabstract.model import Envelope
+from mqabstract.options import Option, parse_options
+from mqabstract.url import BrokerURL
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def mq(clock: FakeClock) -> mqabstract.Broker:
+    broker = mqabstract.connect(f"memory://unit-{uuid.uuid4().hex}", clock=clock)
+    yield broker
+    broker.close()
+
+
+def test_lease_expiry_and_extend_on_fake_clock(mq: mqabstract.Broker, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish("a.b", b"x")
+    [m] = sub.receive(1, 0)
+    clock.advance(29)
+    assert sub.receive(1, 0) == []
+    m.extend(60)
+    clock.advance(59)
+    assert sub.receive(1, 0) == []
+    clock.advance(2)
+    [again] = sub.receive(1, 0)
+    assert again.id == m.id and again.attempt == 2
+    m.ack()  # stale: ignored
+    again.ack()
+    clock.advance(3600)
+    assert sub.receive(1, 0) == []
+
+
+def test_delay_deliver_at_and_nack_delay(mq: mqabstract.Broker, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "#")
+    mq.publish("t", b"later", delay=3600)
+    at = datetime.fromtimestamp(clock.time(), timezone.utc) + timedelta(minutes=10)
+    mq.publish("t", b"at", deliver_at=at)
+    assert sub.receive(10, 0) == []
+    clock.advance(600)
+    [m] = sub.receive(10, 0)
+    assert m.body == b"at"
+    m.nack(delay=120)
+    clock.advance(119)
+    assert sub.receive(10, 0) == []
+    clock.advance(1)
+    [again] = sub.receive(10, 0)
+    assert again.body == b"at" and again.attempt == 2
+    again.ack()
+    clock.advance(3000)
+    assert [x.body for x in sub.receive(10, 0)] == [b"later"]
+
+
+def test_blocking_receive_wakes_on_publish(mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "#")
+    threading.Timer(0.2, lambda: mq.publish("t", b"x")).start()
+    got = sub.receive(1, 5.0)
+    assert [m.body for m in got] == [b"x"]
+
+
+def test_blocking_receive_wakes_on_clock_advance(mq: mqabstract.Broker, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "#")
+    mq.publish("t", b"x", delay=100)
+    threading.Timer(0.2, lambda: clock.advance(100)).start()
+    assert [m.body for m in sub.receive(1, 5.0)] == [b"x"]
+
+
+def test_priority_and_ordered_groups(mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "#", ordered=True)
+    for i in range(3):
+        mq.publish("t", f"a{i}", key="a", priority=i)
+    mq.publish("t", "b0", key="b", priority=9)
+    first = sub.receive(10, 0)
+    # Only the head of each key is deliverable; b0 has the higher priority.
+    assert [m.value for m in first] == ["b0", "a0"]
+    assert sub.receive(10, 0) == []
+    for m in first:
+        m.ack()
+    assert [m.value for m in sub.receive(10, 0)] == ["a1"]
+
+
+def test_consume_stats_and_dead_letter(mq: mqabstract.Broker, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "#", max_attempts=2)
+    mq.publish("t", {"ok": True})
+    mq.publish("t", {"ok": False})
+
+    def handler(m: mqabstract.Message) -> None:
+        if not m.value["ok"]:
+            raise RuntimeError("nope")
+
+    stats = sub.consume(handler, max_messages=2, idle_timeout=0.5,
+                        backoff=Backoff(initial=0, jitter=0))
+    assert (stats.acked, stats.retried, stats.failed) == (1, 1, 1)
+    stats = sub.consume(handler, max_messages=1, idle_timeout=0.5)
+    assert stats.dead_lettered == 1
+    [dead] = mq.dead_letters("g")
+    assert dead.reason == "RuntimeError: nope" and dead.attempts == 2
+    assert mq.stats("g").dead == 1
+
+
+def test_consume_stops_on_event(mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "#")
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    stats = sub.consume(lambda m: None, stop=stop, wait=0.1)
+    assert stats.received == 0
+
+
+def test_nack_on_final_attempt_dead_letters(mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "#", max_attempts=1)
+    mq.publish("t", b"x")
+    [m] = sub.receive(1, 0)
+    m.nack()
+    assert sub.receive(1, 0) == []
+    assert "final attempt" in mq.dead_letters("g")[0].reason
+
+
+def test_redeclare_with_other_pattern_rejected(mq: mqabstract.Broker) -> None:
+    mq.declare("g", "a.#")
+    mq.declare("g", "a.#", lease=5)
+    with pytest.raises(mqabstract.InvalidArgument):
+        mq.declare("g", "b.#")
+
+
+def test_unknown_group_is_not_found(mq: mqabstract.Broker) -> None:
+    with pytest.raises(mqabstract.NotFound):
+        mq.dead_letters("missing")
+    with pytest.raises(mqabstract.NotFound):
+        mq.delete_group("missing")
+
+
+def test_receive_argument_checks(mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "#")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(mqabstract.InvalidArgument):
+            sub.receive(bad)  # type: ignore[arg-type]
+    with pytest.raises(mqabstract.InvalidArgument):
+        sub.receive(1, -1)
+
+
+# -- a driver that confirms only part of a batch, to check PublishError bookkeeping --------
+class _Flaky(MemoryDriver):
+    name = "flaky"
+    CAPABILITIES = MemoryDriver.CAPABILITIES.with_features()
+    calls = 0
+
+    @property
+    def capabilities(self) -> mqabstract.Capabilities:
+        from dataclasses import replace
+
+        return replace(self.CAPABILITIES, max_batch=4)
+
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        type(self).calls += 1
+        if type(self).calls == 2:
+            raise ConnectionFailed("flaky: connection dropped")
+        super().publish(envelopes)
+
+
+def test_batch_chunks_and_partial_failure() -> None:
+    mqabstract.register("flaky", _Flaky)
+    _Flaky.calls = 0
+    with mqabstract.connect(f"flaky://{uuid.uuid4().hex}") as mq:
+        sub = mq.subscribe("g", "#")
+        with pytest.raises(PublishError) as info:
+            mq.publish_batch([OutgoingMessage("t", f"{i}") for i in range(10)])
+        err = info.value
+        assert len(err.published) == 4 and sorted(err.failed) == list(range(4, 10))
+        assert err.retryable and isinstance(err.failed[4], ConnectionFailed)
+        got = sub.receive(100, 0)
+        assert sorted(m.id for m in got) == sorted(err.published)
+
+
+class _Limited(MemoryDriver):
+    name = "limited"
+    CAPABILITIES = MemoryDriver.CAPABILITIES.with_features(
+        **{f.value: Support.UNSUPPORTED for f in Feature if f not in (Feature.FANOUT,
+           Feature.COMPETING, Feature.BATCH)}
+    )
+
+
+def test_unsupported_features_raise_in_portable_layer() -> None:
+    mqabstract.register("limited", _Limited)
+    with mqabstract.connect(f"limited://{uuid.uuid4().hex}") as mq:
+        with pytest.raises(mqabstract.Unsupported, match="limited"):
+            mq.subscribe("g", "a.*")
+        with pytest.raises(mqabstract.Unsupported):
+            mq.subscribe("g", "a", ordered=True)
+        with pytest.raises(mqabstract.Unsupported):
+            mq.publish("a", b"x", delay=1)
+        with pytest.raises(mqabstract.Unsupported):
+            mq.publish("a", b"x", priority=1)
+        mq.publish("a", b"x", priority=0, delay=0)  # the defaults are always fine
+        sub = mq.subscribe("g", "a")
+        mq.publish("a", b"x")
+        [m] = sub.receive(1, 1)
+        with pytest.raises(mqabstract.Unsupported):
+            m.nack(delay=1)
+        with pytest.raises(mqabstract.Unsupported):
+            m.extend(5)
+        with pytest.raises(mqabstract.Unsupported):
+            m.dead_letter("x")
+        with pytest.raises(mqabstract.Unsupported):
+            mq.dead_letters("g")
+        m.nack()  # plain nack still works
+
+
+class _Leaky(MemoryDriver):
+    name = "leaky"
+
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        raise RuntimeError("socket error talking to amqp://u:hunter2@h/")
+
+
+def test_stray_driver_exceptions_are_translated_and_redacted() -> None:
+    mqabstract.register("leaky", _Leaky)
+    with mqabstract.connect(f"leaky://{uuid.uuid4().hex}") as mq:
+        with pytest.raises(mqabstract.MQError) as info:
+            mq.publish("t", b"x")
+    assert "hunter2" not in str(info.value) and "RuntimeError" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_options_parsing() -> None:
+    spec: Mapping[str, Option] = {
+        "timeout": Option(float, 5.0), "confirm": Option(bool, True), "name": Option(str, "x"),
+        "password": Option(str, None),
+    }
+    url = BrokerURL.parse("x://h?timeout=2.5&confirm=no")
+    assert parse_options(url, {"name": "y"}, spec, "x") == {
+        "timeout": 2.5, "confirm": False, "name": "y", "password": None}
+    with pytest.raises(mqabstract.InvalidArgument, match="unknown x option.*known: confirm"):
+        parse_options(url, {"bogus": 1}, spec, "x")
+    with pytest.raises(mqabstract.InvalidArgument) as info:
+        parse_options(BrokerURL.parse("x://h?password=hunter2&timeout=soon"), {}, spec, "x")
+    assert "soon" in str(info.value)
+    with pytest.raises(mqabstract.InvalidArgument) as info2:
+        parse_options(BrokerURL.parse("x://h"), {"password": 5}, spec, "x")
+    assert "5" not in str(info2.value).replace("x://", "")
+
+
+def test_connect_uses_mq_url_then_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("MQ_URL", "memory://from-env")
+    with mqabstract.connect() as mq:
+        assert mq.url == "memory://from-env"
+    monkeypatch.delenv("MQ_URL")
+    monkeypatch.setenv("MQ_HOME", str(tmp_path))
+    assert mqabstract.default_url() in (f"sqlite:///{tmp_path}/default.db", "memory://")
+
+
+def test_capabilities_must_declare_every_feature() -> None:
+    with pytest.raises(ValueError, match="missing"):
+        mqabstract.Capabilities(features={Feature.DELAY: Support.NATIVE}, max_body_bytes=1)
