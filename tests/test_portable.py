@@ -232,9 +232,11 @@ class _Leaky(MemoryDriver):
 
 def test_stray_driver_exceptions_are_translated_and_redacted() -> None:
     mqabstract.register("leaky", _Leaky)
-    with mqabstract.connect(f"leaky://{uuid.uuid4().hex}") as mq:
-        with pytest.raises(mqabstract.MQError) as info:
-            mq.publish("t", b"x")
+    with (
+        mqabstract.connect(f"leaky://{uuid.uuid4().hex}") as mq,
+        pytest.raises(mqabstract.MQError) as info,
+    ):
+        mq.publish("t", b"x")
     assert "hunter2" not in str(info.value) and "RuntimeError" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -247,7 +249,7 @@ def test_options_parsing() -> None:
     url = BrokerURL.parse("x://h?timeout=2.5&confirm=no")
     assert parse_options(url, {"name": "y"}, spec, "x") == {
         "timeout": 2.5, "confirm": False, "name": "y", "password": None}
-    with pytest.raises(mqabstract.InvalidArgument, match="unknown x option.*known: confirm"):
+    with pytest.raises(mqabstract.InvalidArgument, match=r"unknown x option.*known: confirm"):
         parse_options(url, {"bogus": 1}, spec, "x")
     with pytest.raises(mqabstract.InvalidArgument) as info:
         parse_options(BrokerURL.parse("x://h?password=hunter2&timeout=soon"), {}, spec, "x")
