@@ -1,0 +1,1037 @@
+"""AWS SQS driver (boto3): one queue per group, fanned out by one SNS FIFO topic.
+
+Mapping (details and reasons in ``docs/backends/sqs.md``):
+
+* Every publish goes to one SNS FIFO topic per namespace (``<prefix>bus.fifo``). Each group is
+  an SQS queue subscribed to it with raw message delivery and a filter policy on the
+  ``mq-topic`` message attribute; groups declared ``ordered=True`` get a FIFO queue, others a
+  standard queue (SNS FIFO topics deliver to both). ``MessageGroupId`` is the key (the message
+  id when there is none) and the deduplication id is derived from topic + message id.
+* Filter policies express exact topics and literal prefixes/suffixes; the rest of a pattern
+  (``*``, inner ``#``) is finished here: a message that does not match is deleted from that
+  group's queue, never delivered.
+* Leases are SQS visibility timeouts; ``extend`` and ``nack(delay)`` use
+  ChangeMessageVisibility. Attempts come from ``ApproximateReceiveCount`` plus a base carried
+  in our metadata, corrected for delay hops.
+* SNS carries no per-message delay, so delays are deferral hops at the queue: a message that
+  is not yet due is re-sent with ``DelaySeconds`` (≤ 900) and the early copy deleted (standard
+  queues: the receive count starts afresh), or hidden with ChangeMessageVisibility (FIFO
+  queues, which have no per-message delay; the hops are subtracted from the attempt).
+* Dead letters: the portable layer decides, this driver copies the message with reason and
+  attempts into a standard ``<queue>-dlq`` queue and deletes the original. No RedrivePolicy:
+  it would lose the reason, count delay hops as failures, and force FIFO dead-letter queues
+  that cannot be listed while one message of a message group is in flight.
+* Metadata is packed into one String attribute ``mq`` (JSON); headers travel as native String
+  attributes when they fit in the remaining 8 slots, else inside ``mq``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import math
+import re
+import threading
+import time
+import uuid
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from mqabstract.capabilities import Capabilities, Feature, Support
+from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.errors import (
+    ConnectionFailed,
+    InvalidArgument,
+    MessageTooLarge,
+    MQError,
+    NotFound,
+    PublishError,
+    Timeout,
+)
+from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
+from mqabstract.names import pattern_regex
+from mqabstract.options import Option, parse_options
+from mqabstract.url import BrokerURL, redact
+
+__all__ = ["SQSDriver"]
+
+# -- SQS / SNS limits (AWS documentation; moto enforces only some of them) ---------------------
+SNS_MAX_MESSAGE = 262_144  #: body + attributes of one SNS publish, and of one PublishBatch
+SQS_MAX_MESSAGE = 1_048_576
+MAX_ATTRIBUTES = 10  #: message attributes per SQS message
+BATCH = 10  #: entries per *Batch call
+MAX_DELAY_SECONDS = 900  #: SendMessage DelaySeconds
+MAX_VISIBILITY = 43_200  #: 12 h, counted from the receive
+MAX_WAIT = 20  #: ReceiveMessage WaitTimeSeconds
+RETENTION = 1_209_600  #: 14 days, the SQS maximum
+QUEUE_NAME_MAX = 80
+
+ATTR_TOPIC = "mq-topic"
+ATTR_META = "mq"
+_OURS = (ATTR_TOPIC, ATTR_META)
+NATIVE_HEADER_SLOTS = MAX_ATTRIBUTES - len(_OURS)
+#: Room kept for attributes in the SNS budget: topic, packed metadata and headers (JSON
+#: escaping may double header bytes), so that the largest base64 body still fits.
+MAX_HEADER_BYTES = 8192
+_ATTR_RESERVE = 20 * 1024
+#: Largest body that fits SNS in the worst case (binary bodies travel base64-encoded).
+MAX_BODY = (SNS_MAX_MESSAGE - _ATTR_RESERVE) // 4 * 3
+#: Longest delay: queued messages expire after 14 days; FIFO delay hops keep the original.
+MAX_DELAY = 13 * 86400.0
+_STALE_MARGIN = 0.1  #: seconds before our lease deadline after which a receipt counts as stale
+
+_SQS_NAME = re.compile(r"[A-Za-z0-9_-]+")
+# Characters SQS and SNS carry unchanged in a message body (XML 1.0 minus CR, which an XML
+# round trip may normalise); anything else travels base64-encoded.
+_UNSAFE_TEXT = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+_GROUP_ID = re.compile(r"[!-~]{1,128}")
+
+_CONNECT_ERRORS = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ProxyConnectionError,
+)
+_STALE_CODES = {
+    "ReceiptHandleIsInvalid",
+    "InvalidReceiptHandle",
+    "MessageNotInflight",
+    "AWS.SimpleQueueService.MessageNotInflight",
+    "AWS.SimpleQueueService.ReceiptHandleIsInvalid",
+}
+_MISSING_QUEUE = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"}
+
+
+def _code(exc: botocore.exceptions.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _digest(text: str, n: int = 10) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+# -- wire format -----------------------------------------------------------------------------
+def _encode_body(body: bytes) -> tuple[str, str | None]:
+    """(text for SNS/SQS, encoding flag for the metadata)."""
+    if not body:
+        return "-", "z"
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and not _UNSAFE_TEXT.search(text):
+        return text, None
+    return base64.b64encode(body).decode("ascii"), "b"
+
+
+def _decode_body(text: str, flag: str | None) -> bytes:
+    if flag == "z":
+        return b""
+    if flag == "b":
+        return base64.b64decode(text)
+    return text.encode("utf-8")
+
+
+def _group_id(env_key: str | None, message_id: str) -> str:
+    if env_key is None:
+        return message_id
+    if _GROUP_ID.fullmatch(env_key):
+        return env_key
+    return "k:" + hashlib.sha256(env_key.encode()).hexdigest()
+
+
+def _dedup_id(topic: str, message_id: str) -> str:
+    return hashlib.sha256(f"{topic}\n{message_id}".encode()).hexdigest()
+
+
+@dataclass
+class _Wire:
+    """One message as SQS/SNS see it: body text, attributes (SQS shape), metadata."""
+
+    body: str
+    attributes: dict[str, dict[str, str]]
+    meta: dict[str, Any]
+    group_id: str
+
+    def with_meta(self, **changes: Any) -> _Wire:
+        meta = {k: v for k, v in {**self.meta, **changes}.items() if v is not None}
+        attrs = dict(self.attributes)
+        attrs[ATTR_META] = {"DataType": "String", "StringValue": _dumps(meta)}
+        return _Wire(self.body, attrs, meta, self.group_id)
+
+    def size(self) -> int:
+        total = len(self.body.encode("utf-8"))
+        for name, value in self.attributes.items():
+            total += len(name.encode()) + len(value["DataType"]) + len(
+                value.get("StringValue", "").encode("utf-8")
+            )
+        return total
+
+    def sns_attributes(self) -> dict[str, dict[str, str]]:
+        return self.attributes
+
+
+def _dumps(meta: Mapping[str, Any]) -> str:
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+
+
+def _to_wire(env: Envelope) -> _Wire:
+    text, flag = _encode_body(env.body)
+    meta: dict[str, Any] = {"v": 1, "i": env.id, "t": env.published_at}
+    if env.key is not None:
+        meta["k"] = env.key
+    if env.priority:
+        meta["p"] = env.priority
+    if env.deliver_at is not None:
+        meta["d"] = env.deliver_at
+    if flag:
+        meta["e"] = flag
+    attrs: dict[str, dict[str, str]] = {
+        ATTR_TOPIC: {"DataType": "String", "StringValue": env.topic}
+    }
+    headers = dict(env.headers)
+    if headers and (len(headers) > NATIVE_HEADER_SLOTS or not all(headers.values())):
+        meta["h"] = headers  # SQS rejects empty attribute values and more than 10 attributes
+    else:
+        for name, value in headers.items():
+            attrs[name] = {"DataType": "String", "StringValue": value}
+    attrs[ATTR_META] = {"DataType": "String", "StringValue": _dumps(meta)}
+    return _Wire(text, attrs, meta, _group_id(env.key, env.id))
+
+
+def _from_sqs(msg: Mapping[str, Any]) -> _Wire:
+    """Rebuild the wire form of a received SQS message (for re-sends and dead letters)."""
+    attrs: dict[str, dict[str, str]] = {}
+    meta: dict[str, Any] = {}
+    for name, value in (msg.get("MessageAttributes") or {}).items():
+        dtype = value.get("DataType", "String")
+        if "StringValue" in value:
+            attrs[name] = {"DataType": dtype, "StringValue": value["StringValue"]}
+    raw = attrs.get(ATTR_META, {}).get("StringValue")
+    if raw:
+        try:
+            loaded = json.loads(raw)
+            if isinstance(loaded, dict):
+                meta = loaded
+        except ValueError:
+            meta = {}
+    sysattrs = msg.get("Attributes") or {}
+    group = sysattrs.get("MessageGroupId") or str(meta.get("i") or msg.get("MessageId"))
+    return _Wire(msg.get("Body", ""), attrs, meta, group)
+
+
+def _sns_entry(wire: _Wire, index: int, env: Envelope) -> dict[str, Any]:
+    return {
+        "Id": str(index),
+        "Message": wire.body,
+        "MessageAttributes": wire.sns_attributes(),
+        "MessageGroupId": wire.group_id,
+        "MessageDeduplicationId": _dedup_id(env.topic, env.id),
+    }
+
+
+# -- names and filter policies ----------------------------------------------------------------
+def _queue_base(prefix: str, group: str) -> str:
+    """SQS-safe, injective base name for a group (suffixes ``-dlq``/``.fifo`` added later)."""
+    room = QUEUE_NAME_MAX - len(prefix) - len(".fifo")
+    if _SQS_NAME.fullmatch(group) and len(group) <= room and not group.endswith("-dlq"):
+        return prefix + group
+    cleaned = re.sub(r"[^A-Za-z0-9_-]", "_", group)[: room - 11]
+    return f"{prefix}{cleaned}-{_digest(group)}"
+
+
+def filter_policy(pattern: str) -> dict[str, Any] | None:
+    """An SNS filter policy admitting every topic that matches ``pattern`` (a superset).
+
+    Exact topics are exact; a literal head becomes a prefix, a literal tail a suffix. None when
+    the pattern starts and ends with wildcards: then every message is admitted and the
+    driver's own match decides.
+    """
+    words = pattern.split(".")
+    if not any(w in ("*", "#") for w in words):
+        return {ATTR_TOPIC: [pattern]}
+    head: list[str] = []
+    for w in words:
+        if w in ("*", "#"):
+            break
+        head.append(w)
+    tail: list[str] = []
+    for w in reversed(words):
+        if w in ("*", "#"):
+            break
+        tail.insert(0, w)
+    if head:
+        lit = ".".join(head)
+        return {ATTR_TOPIC: [lit, {"prefix": lit + "."}]}
+    if tail:
+        lit = ".".join(tail)
+        return {ATTR_TOPIC: [lit, {"suffix": "." + lit}]}
+    return None
+
+
+def _filter_is_exact(pattern: str) -> bool:
+    """True when the filter policy alone decides: no client-side check needed."""
+    words = pattern.split(".")
+    wild = [i for i, w in enumerate(words) if w in ("*", "#")]
+    if not wild:
+        return True
+    # head.# : the policy [head, prefix head.] is exactly the pattern; likewise #.tail
+    if wild == [len(words) - 1] and words[-1] == "#":
+        return True
+    return bool(wild == [0] and words[0] == "#")
+
+
+@dataclass
+class _Group:
+    name: str
+    pattern: str
+    queue_url: str
+    queue_arn: str
+    dlq_url: str
+    fifo: bool
+    subscription_arn: str | None = None
+    exact: bool = True
+
+
+@dataclass
+class _Receipt:
+    handle: str
+    group: _Group
+    received_at: float  #: wall time just before the receive call
+    deadline: float  #: monotonic time after which the lease may have passed to another consumer
+    wire: _Wire
+    delivery: Delivery | None = field(default=None, repr=False)
+    attempt: int = 1
+
+    def stale(self) -> bool:
+        return time.monotonic() > self.deadline - _STALE_MARGIN
+
+
+class _Subscription(DriverSubscription):
+    def __init__(self, driver: SQSDriver, group: _Group, spec: GroupSpec) -> None:
+        self._driver = driver
+        self._group = group
+        self._spec = spec
+        self._lease = max(1, math.ceil(spec.lease))
+        self._closed = False
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        deadline = time.monotonic() + max(0.0, timeout)
+        want = max(1, min(max_messages, BATCH))
+        while not self._closed:
+            remaining = deadline - time.monotonic()
+            wait = int(min(MAX_WAIT, max(0.0, remaining)))
+            out = self._driver._receive(self._group, want, wait, self._lease)
+            if out:
+                return out
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            if wait == 0:  # under a second left: poll gently until the deadline
+                time.sleep(min(remaining, 0.2))
+        return []
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        self._driver._ack(list(receipts))
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        self._driver._nack(receipt, delay)
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        self._driver._extend(receipt, seconds)
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        self._driver._dead_letter(receipt, reason, attempts)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class SQSDriver(Driver):
+    """SQS queues per group, SNS FIFO topic for fan-out; see the module docstring."""
+
+    name: ClassVar[str] = "sqs"
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "region": Option(str, None, "AWS region (default: the AWS config chain)"),
+        "endpoint_url": Option(str, None, "SQS/SNS endpoint (moto, LocalStack)"),
+        "sns_endpoint_url": Option(str, None, "SNS endpoint if different from endpoint_url"),
+        "profile": Option(str, None, "AWS shared-config profile"),
+        "aws_access_key_id": Option(str, None, "explicit access key (else the AWS chain)"),
+        "aws_secret_access_key": Option(str, None, "explicit secret key"),
+        "aws_session_token": Option(str, None, "explicit session token"),
+        "prefix": Option(str, "mqa-", "prefix of every queue and topic name this driver makes"),
+        "topic_name": Option(str, None, "SNS FIFO topic name (default <prefix>bus.fifo)"),
+        "high_throughput": Option(
+            bool, True, "FIFO high-throughput mode (dedup and throughput per message group)"
+        ),
+        "connect_timeout": Option(float, 5.0, "seconds to connect before ConnectionFailed"),
+        "retries": Option(int, 3, "botocore retry attempts for throttling and 5xx"),
+    }
+
+    def __init__(self, url: BrokerURL, opts: Mapping[str, Any], sqs: Any, sns: Any) -> None:
+        self._url = url
+        self._opts = opts
+        self._sqs = sqs
+        self._sns = sns
+        self._prefix: str = opts["prefix"]
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._topic_arn = ""
+        self._caps = Capabilities(
+            features={
+                Feature.WILDCARDS: Support.EMULATED,
+                Feature.FANOUT: Support.NATIVE,
+                Feature.COMPETING: Support.NATIVE,
+                Feature.LEASE_EXTEND: Support.NATIVE,
+                Feature.NACK_DELAY: Support.NATIVE,
+                Feature.DELAY: Support.EMULATED,
+                Feature.PRIORITY: Support.UNSUPPORTED,
+                Feature.ORDERING: Support.NATIVE,
+                Feature.DEAD_LETTER: Support.EMULATED,
+                Feature.BATCH: Support.NATIVE,
+            },
+            max_body_bytes=MAX_BODY,
+            max_headers=64,
+            max_header_bytes=MAX_HEADER_BYTES,
+            max_delay=MAX_DELAY,
+            max_batch=BATCH,
+            max_priority=0,
+            max_lease=float(MAX_VISIBILITY),
+            max_receive=BATCH,
+            notes={
+                Feature.PRIORITY: (
+                    "SQS has no priority and receives from a standard queue are sampled, so "
+                    "queue-per-level polling cannot guarantee higher-first; use separate groups"
+                ),
+            },
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> SQSDriver:
+        opts = parse_options(url, options, cls.OPTIONS, cls.name)
+        prefix = opts["prefix"]
+        if not re.fullmatch(r"[A-Za-z0-9_-]{0,40}", prefix):
+            raise InvalidArgument("prefix must be 0-40 characters of letters, digits, '_', '-'")
+        config = botocore.config.Config(
+            connect_timeout=opts["connect_timeout"],
+            read_timeout=MAX_WAIT + 10,
+            retries={"max_attempts": opts["retries"], "mode": "standard"},
+            max_pool_connections=32,
+        )
+        try:
+            session = boto3.session.Session(
+                aws_access_key_id=opts["aws_access_key_id"],
+                aws_secret_access_key=opts["aws_secret_access_key"],
+                aws_session_token=opts["aws_session_token"],
+                region_name=opts["region"],
+                profile_name=opts["profile"],
+            )
+            sqs = session.client("sqs", endpoint_url=opts["endpoint_url"], config=config)
+            sns = session.client(
+                "sns", endpoint_url=opts["sns_endpoint_url"] or opts["endpoint_url"], config=config
+            )
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ConnectionFailed(f"sqs: cannot set up clients for {url.redacted()}: "
+                                   f"{redact(str(exc))}") from exc
+        driver = cls(url, opts, sqs, sns)
+        driver._topic_arn = driver._call(
+            "create the SNS topic", sns.create_topic, **driver._topic_request()
+        )["TopicArn"]
+        return driver
+
+    def _topic_request(self) -> dict[str, Any]:
+        name = self._opts["topic_name"] or f"{self._prefix}bus.fifo"
+        attrs = {"FifoTopic": "true", "ContentBasedDeduplication": "false"}
+        if self._opts["high_throughput"]:
+            attrs["FifoThroughputScope"] = "MessageGroup"
+        return {"Name": name, "Attributes": attrs}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for client in (self._sqs, self._sns):
+            with contextlib.suppress(Exception):
+                client.close()
+
+    # -- error translation --------------------------------------------------------------------
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except botocore.exceptions.ClientError as exc:
+            raise self._client_error(what, exc) from exc
+        except botocore.exceptions.ReadTimeoutError as exc:
+            raise Timeout(f"sqs: {what}: {self._url.redacted()} did not answer in time") from exc
+        except _CONNECT_ERRORS as exc:
+            raise ConnectionFailed(
+                f"sqs: {what}: cannot reach {self._url.redacted()}: {type(exc).__name__}"
+            ) from exc
+        except botocore.exceptions.NoCredentialsError as exc:
+            raise ConnectionFailed(
+                f"sqs: {what}: no AWS credentials found for {self._url.redacted()} "
+                "(environment, shared config, or instance role)"
+            ) from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ConnectionFailed(
+                f"sqs: {what} at {self._url.redacted()}: {redact(str(exc))}"
+            ) from exc
+
+    def _client_error(self, what: str, exc: botocore.exceptions.ClientError) -> MQError:
+        code = _code(exc)
+        text = redact(str(exc.response.get("Error", {}).get("Message", "")))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        message = f"sqs: {what} at {self._url.redacted()} failed: {code}: {text}"
+        if code in _MISSING_QUEUE or code == "NotFound":
+            return NotFound(message)
+        if code in ("InvalidClientTokenId", "SignatureDoesNotMatch", "AccessDenied",
+                    "UnrecognizedClientException", "AuthorizationError"):
+            return ConnectionFailed(message)
+        err = MQError(message)
+        err.retryable = status >= 500 or "Throttl" in code or code == "RequestThrottled"
+        return err
+
+    # -- publishing ---------------------------------------------------------------------------
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        wires = []
+        for index, env in enumerate(envelopes):
+            wire = _to_wire(env)
+            if wire.size() > SNS_MAX_MESSAGE:
+                raise MessageTooLarge(
+                    f"encoded message is {wire.size()} bytes; SNS allows {SNS_MAX_MESSAGE}",
+                    index=index if len(envelopes) > 1 else None,
+                )
+            wires.append(wire)
+        if len(envelopes) == 1:
+            env, wire = envelopes[0], wires[0]
+            self._call(
+                "publish", self._sns.publish, TopicArn=self._topic_arn, Message=wire.body,
+                MessageAttributes=wire.sns_attributes(), MessageGroupId=wire.group_id,
+                MessageDeduplicationId=_dedup_id(env.topic, env.id),
+            )
+            return
+        confirmed: list[str] = []
+        for chunk in _size_chunks(list(range(len(envelopes))), wires, SNS_MAX_MESSAGE):
+            entries = [_sns_entry(wires[i], i, envelopes[i]) for i in chunk]
+            try:
+                result = self._call(
+                    "publish a batch", self._sns.publish_batch, TopicArn=self._topic_arn,
+                    PublishBatchRequestEntries=entries,
+                )
+            except MQError as exc:
+                if not confirmed:
+                    raise
+                self._partial(envelopes, confirmed, {i: exc for i in chunk}, chunk)
+            failed = {
+                int(f["Id"]): MQError(f"sqs: {f.get('Code')}: {f.get('Message', '')}")
+                for f in result.get("Failed", [])
+            }
+            ok = [i for i in chunk if i not in failed]
+            confirmed.extend(envelopes[i].id for i in ok)
+            if failed:
+                self._partial(envelopes, confirmed, failed, chunk)
+
+    def _partial(
+        self, envelopes: Sequence[Envelope], confirmed: list[str], failed: dict[int, MQError],
+        chunk: Sequence[int],
+    ) -> None:
+        not_sent = MQError("not sent: an earlier part of the batch failed")
+        last = max(chunk)
+        failed = {**failed, **{i: not_sent for i in range(last + 1, len(envelopes))}}
+        raise PublishError(
+            f"sqs: {len(failed)} of {len(envelopes)} messages not confirmed by SNS",
+            published=list(confirmed), failed=failed,
+        )
+
+    # -- groups -------------------------------------------------------------------------------
+    def _names(self, group: str) -> tuple[str, str, str]:
+        base = _queue_base(self._prefix, group)
+        return base, base + ".fifo", base + "-dlq"
+
+    def _queue_policy(self, queue_arn: str) -> str:
+        return json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{
+                "Sid": "mqabstract-sns",
+                "Effect": "Allow",
+                "Principal": {"Service": "sns.amazonaws.com"},
+                "Action": "sqs:SendMessage",
+                "Resource": queue_arn,
+                "Condition": {"ArnEquals": {"aws:SourceArn": self._topic_arn}},
+            }],
+        })
+
+    def _create_queue(self, name: str, fifo: bool, lease: float, tags: dict[str, str]) -> str:
+        attrs = {
+            "MessageRetentionPeriod": str(RETENTION),
+            "VisibilityTimeout": str(max(1, math.ceil(lease))),
+        }
+        if fifo:
+            attrs["FifoQueue"] = "true"
+            attrs["ContentBasedDeduplication"] = "false"
+            if self._opts["high_throughput"]:
+                attrs["DeduplicationScope"] = "messageGroup"
+                attrs["FifoThroughputLimit"] = "perMessageGroupId"
+        try:
+            return str(self._sqs.create_queue(QueueName=name, Attributes=attrs, tags=tags)
+                       ["QueueUrl"])
+        except botocore.exceptions.ClientError as exc:
+            if _code(exc) not in ("QueueAlreadyExists", "QueueNameExists"):
+                raise self._client_error(f"create queue {name}", exc) from exc
+        except Exception as exc:
+            self._call("create queue", _raise, exc=exc)
+        # Exists with other attributes (a redeclare with another lease): reuse it.
+        return str(self._call("find queue", self._sqs.get_queue_url, QueueName=name)["QueueUrl"])
+
+    def declare(self, spec: GroupSpec) -> None:
+        self._declare(spec)
+
+    def _declare(self, spec: GroupSpec) -> _Group:
+        with self._lock:
+            known = self._groups.get(spec.name)
+        if known is not None and known.pattern == spec.pattern and known.fifo == spec.ordered:
+            return known
+        base, fifo_name, dlq_name = self._names(spec.name)
+        tags = {"mqabstract:group": spec.name[:256], "mqabstract:pattern": spec.pattern[:256]}
+        dlq_url = self._create_queue(dlq_name, False, 30, tags)
+        main_name = fifo_name if spec.ordered else base
+        queue_url = self._create_queue(main_name, spec.ordered, spec.lease, tags)
+        arn = self._call("read queue attributes", self._sqs.get_queue_attributes,
+                         QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        self._call("allow SNS to deliver", self._sqs.set_queue_attributes, QueueUrl=queue_url,
+                   Attributes={"Policy": self._queue_policy(arn)})
+        group = _Group(spec.name, spec.pattern, queue_url, arn, dlq_url, spec.ordered,
+                       exact=_filter_is_exact(spec.pattern))
+        group.subscription_arn = self._subscribe(group)
+        with self._lock:
+            self._groups[spec.name] = group
+        return group
+
+    def _subscribe(self, group: _Group) -> str:
+        attrs = {"RawMessageDelivery": "true"}
+        policy = filter_policy(group.pattern)
+        if policy is not None:
+            attrs["FilterPolicy"] = json.dumps(policy)
+        try:
+            resp = self._sns.subscribe(TopicArn=self._topic_arn, Protocol="sqs",
+                                       Endpoint=group.queue_arn, Attributes=attrs,
+                                       ReturnSubscriptionArn=True)
+            return str(resp["SubscriptionArn"])
+        except botocore.exceptions.ClientError as exc:
+            if _code(exc) != "InvalidParameter":
+                raise self._client_error("subscribe the group queue", exc) from exc
+        except Exception as exc:
+            self._call("subscribe", _raise, exc=exc)
+        # Already subscribed with another filter policy (the pattern changed): update it.
+        sub_arn = self._find_subscription(group.queue_arn)
+        if sub_arn is None:
+            raise MQError(f"sqs: cannot subscribe group {group.name!r} to the SNS topic")
+        self._call("update the filter policy", self._sns.set_subscription_attributes,
+                   SubscriptionArn=sub_arn, AttributeName="FilterPolicy",
+                   AttributeValue=attrs.get("FilterPolicy", "{}"))
+        return sub_arn
+
+    def _find_subscription(self, queue_arn: str) -> str | None:
+        token = None
+        while True:
+            kwargs: dict[str, Any] = {"TopicArn": self._topic_arn}
+            if token:
+                kwargs["NextToken"] = token
+            resp = self._call("list subscriptions", self._sns.list_subscriptions_by_topic,
+                              **kwargs)
+            for sub in resp.get("Subscriptions", []):
+                if sub.get("Endpoint") == queue_arn:
+                    return str(sub["SubscriptionArn"])
+            token = resp.get("NextToken")
+            if not token:
+                return None
+
+    def subscribe(self, spec: GroupSpec) -> DriverSubscription:
+        return _Subscription(self, self._declare(spec), spec)
+
+    def _queue_url(self, name: str) -> str | None:
+        try:
+            return str(self._sqs.get_queue_url(QueueName=name)["QueueUrl"])
+        except botocore.exceptions.ClientError as exc:
+            if _code(exc) in _MISSING_QUEUE:
+                return None
+            raise self._client_error(f"find queue {name}", exc) from exc
+        except Exception as exc:
+            self._call("find queue", _raise, exc=exc)
+        return None
+
+    def _lookup(self, group: str) -> _Group:
+        """The group's queues, declared by this driver or found by name (another process)."""
+        with self._lock:
+            known = self._groups.get(group)
+        if known is not None:
+            return known
+        base, fifo_name, dlq_name = self._names(group)
+        dlq_url = self._queue_url(dlq_name)
+        for name, fifo in ((base, False), (fifo_name, True)):
+            url = self._queue_url(name)
+            if url is not None and dlq_url is not None:
+                return _Group(group, "#", url, "", dlq_url, fifo)
+        raise NotFound(f"sqs: no group {group!r} at {self._url.redacted()}")
+
+    def queue_url(self, group: str) -> str:
+        """URL of the group's SQS queue (for interop with plain boto3 code)."""
+        return self._lookup(group).queue_url
+
+    def delete_group(self, group: str) -> None:
+        with self._lock:
+            known = self._groups.pop(group, None)
+        base, fifo_name, dlq_name = self._names(group)
+        sub_arn = known.subscription_arn if known else None
+        for name in (base, fifo_name):
+            url = known.queue_url if known and name == (fifo_name if known.fifo else base) \
+                else self._queue_url(name)
+            if url is None:
+                continue
+            if sub_arn is None:
+                arn = self._call("read queue attributes", self._sqs.get_queue_attributes,
+                                 QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
+                                     "QueueArn"]
+                found = self._find_subscription(arn)
+            else:
+                found = sub_arn
+            if found:
+                self._ignore_missing(self._sns.unsubscribe, SubscriptionArn=found)
+            self._ignore_missing(self._sqs.delete_queue, QueueUrl=url)
+        dlq = known.dlq_url if known else self._queue_url(dlq_name)
+        if dlq is not None:
+            self._ignore_missing(self._sqs.delete_queue, QueueUrl=dlq)
+
+    def _ignore_missing(self, fn: Any, **kwargs: Any) -> None:
+        with contextlib.suppress(NotFound):
+            self._call("delete", fn, **kwargs)
+
+    def stats(self, group: str) -> GroupStats:
+        g = self._lookup(group)
+        names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+                 "ApproximateNumberOfMessagesDelayed"]
+        main = self._call("read queue attributes", self._sqs.get_queue_attributes,
+                          QueueUrl=g.queue_url, AttributeNames=names)["Attributes"]
+        dead = self._call("read queue attributes", self._sqs.get_queue_attributes,
+                          QueueUrl=g.dlq_url, AttributeNames=names)["Attributes"]
+        return GroupStats(
+            group,
+            int(main.get(names[0], 0)),
+            int(main.get(names[1], 0)),
+            int(main.get(names[2], 0)),
+            sum(int(dead.get(n, 0)) for n in names),
+        )
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _receive(self, group: _Group, want: int, wait: int, lease: int) -> list[Delivery]:
+        before_wall = time.time()
+        resp = self._call(
+            "receive", self._sqs.receive_message, QueueUrl=group.queue_url,
+            MaxNumberOfMessages=want, WaitTimeSeconds=wait, VisibilityTimeout=lease,
+            MessageAttributeNames=["All"],
+            MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp",
+                                         "ApproximateFirstReceiveTimestamp", "MessageGroupId"],
+        )
+        # A long poll leases the message when it answers, so the lease runs from (about) now.
+        leased_until = time.monotonic() + lease
+        out: list[Delivery] = []
+        drop: list[str] = []
+        now = time.time()
+        for msg in resp.get("Messages", []):
+            wire = _from_sqs(msg)
+            receipt = _Receipt(msg["ReceiptHandle"], group, before_wall, leased_until, wire)
+            topic = wire.attributes.get(ATTR_TOPIC, {}).get("StringValue")
+            if topic and not group.exact and not pattern_regex(group.pattern).fullmatch(
+                "." + topic
+            ):
+                drop.append(msg["ReceiptHandle"])  # admitted by the filter policy superset only
+                continue
+            due = wire.meta.get("d")
+            if isinstance(due, (int, float)) and due > now:
+                self._defer(receipt, float(due) - now)
+                continue
+            delivery = self._delivery(msg, wire, group, topic, receipt)
+            receipt.delivery = delivery
+            receipt.attempt = delivery.attempt
+            out.append(delivery)
+        if drop:
+            self._delete_handles(group.queue_url, drop)
+        return out
+
+    def _delivery(self, msg: Mapping[str, Any], wire: _Wire, group: _Group, topic: str | None,
+                  receipt: _Receipt) -> Delivery:
+        meta = wire.meta
+        sysattrs = msg.get("Attributes") or {}
+        count = int(sysattrs.get("ApproximateReceiveCount", 1))
+        attempt = count + int(meta.get("a", 0))
+        due = meta.get("d")
+        first = sysattrs.get("ApproximateFirstReceiveTimestamp")
+        if group.fifo and isinstance(due, (int, float)) and first:
+            # FIFO delay hops were receives too: one per started 12 h before the due time.
+            ahead = float(due) - int(first) / 1000.0
+            if ahead > 0:
+                attempt -= math.ceil(ahead / (MAX_VISIBILITY - 60))
+        headers: dict[str, str] = {}
+        for name, value in wire.attributes.items():
+            if name not in _OURS:
+                headers[name] = value.get("StringValue", "")
+        packed = meta.get("h")
+        if isinstance(packed, dict):
+            headers.update({str(k): str(v) for k, v in packed.items()})
+        key = meta.get("k")
+        if key is None and not meta and group.fifo:
+            key = sysattrs.get("MessageGroupId")
+        published = meta.get("t")
+        if not isinstance(published, (int, float)):
+            published = int(sysattrs.get("SentTimestamp", time.time() * 1000)) / 1000.0
+        return Delivery(
+            id=str(meta.get("i") or msg.get("MessageId")),
+            topic=topic or group.name,
+            body=_decode_body(wire.body, meta.get("e")),
+            headers=headers,
+            key=key,
+            priority=int(meta.get("p", 0)),
+            attempt=max(1, attempt),
+            published_at=float(published),
+            receipt=receipt,
+        )
+
+    def _defer(self, receipt: _Receipt, remaining: float) -> None:
+        """Hide a message that is not due yet without counting the hop as a delivery."""
+        group = receipt.group
+        if group.fifo:
+            # FIFO queues have no per-message delay; hiding it keeps its key's order too.
+            seconds = min(math.ceil(remaining), MAX_VISIBILITY - 60)
+            self._change_visibility(receipt, seconds)
+            return
+        wire = receipt.wire
+        self._send(group.queue_url, wire, min(MAX_DELAY_SECONDS, math.ceil(remaining)), False)
+        self._delete_handles(group.queue_url, [receipt.handle])
+
+    def _send(self, queue_url: str, wire: _Wire, delay: int, fifo: bool) -> None:
+        kwargs: dict[str, Any] = {
+            "QueueUrl": queue_url, "MessageBody": wire.body,
+            "MessageAttributes": wire.attributes,
+        }
+        if fifo:
+            kwargs["MessageGroupId"] = wire.group_id
+            kwargs["MessageDeduplicationId"] = uuid.uuid4().hex  # a deliberate new copy
+        elif delay > 0:
+            kwargs["DelaySeconds"] = delay
+        self._call("send", self._sqs.send_message, **kwargs)
+
+    # -- settling -----------------------------------------------------------------------------
+    def _delete_handles(self, queue_url: str, handles: Sequence[str]) -> None:
+        for start in range(0, len(handles), BATCH):
+            chunk = handles[start : start + BATCH]
+            resp = self._call(
+                "delete", self._sqs.delete_message_batch, QueueUrl=queue_url,
+                Entries=[{"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(chunk)],
+            )
+            bad = [f for f in resp.get("Failed", []) if f.get("Code") not in _STALE_CODES]
+            if bad:
+                raise MQError(f"sqs: {len(bad)} deletes failed: {bad[0].get('Code')}: "
+                              f"{bad[0].get('Message', '')}")
+
+    def _ack(self, receipts: list[_Receipt]) -> None:
+        by_queue: dict[str, list[str]] = {}
+        for r in receipts:
+            if not r.stale():
+                by_queue.setdefault(r.group.queue_url, []).append(r.handle)
+        for url, handles in by_queue.items():
+            with contextlib.suppress(NotFound):  # the group was deleted meanwhile
+                self._delete_handles(url, handles)
+
+    def _change_visibility(self, receipt: _Receipt, seconds: int) -> bool:
+        """ChangeMessageVisibility; False when the receipt turned out stale."""
+        try:
+            self._sqs.change_message_visibility(
+                QueueUrl=receipt.group.queue_url, ReceiptHandle=receipt.handle,
+                VisibilityTimeout=int(seconds),
+            )
+        except botocore.exceptions.ClientError as exc:
+            code = _code(exc)
+            if code in _STALE_CODES or code in _MISSING_QUEUE:
+                return False
+            raise self._client_error("change visibility", exc) from exc
+        except Exception as exc:
+            self._call("change visibility", _raise, exc=exc)
+        return True
+
+    def _left_in_flight(self, receipt: _Receipt) -> float:
+        """Seconds this receipt may still stay hidden (SQS: 12 h from the receive)."""
+        return MAX_VISIBILITY - 5 - (time.time() - receipt.received_at)
+
+    def _nack(self, receipt: _Receipt, delay: float) -> None:
+        if receipt.stale():
+            return
+        seconds = math.ceil(delay)
+        if seconds <= self._left_in_flight(receipt):
+            self._change_visibility(receipt, seconds)
+            return
+        # Longer than SQS lets a message stay hidden: send a copy that remembers its attempts
+        # and becomes due later, then drop this one.
+        wire = receipt.wire.with_meta(a=receipt.attempt, d=time.time() + delay)
+        self._send(receipt.group.queue_url, wire, min(MAX_DELAY_SECONDS, seconds),
+                   receipt.group.fifo)
+        self._delete_handles(receipt.group.queue_url, [receipt.handle])
+
+    def _extend(self, receipt: _Receipt, seconds: float) -> None:
+        if receipt.stale():
+            return
+        whole = math.ceil(seconds)
+        if whole > self._left_in_flight(receipt):
+            raise InvalidArgument(
+                "sqs: a message can stay leased at most 12 h after it was received "
+                f"({max(0, int(self._left_in_flight(receipt)))} s left)"
+            )
+        if self._change_visibility(receipt, whole):
+            receipt.deadline = time.monotonic() + seconds
+
+    def _dead_letter(self, receipt: _Receipt, reason: str, attempts: int) -> None:
+        if receipt.stale():
+            return
+        d = receipt.delivery
+        wire = receipt.wire
+        if d is not None and not wire.meta:  # a foreign message: give it our metadata
+            meta = {"v": 1, "i": d.id, "t": d.published_at}
+            wire = _Wire(wire.body, dict(wire.attributes), meta, wire.group_id).with_meta()
+            wire.attributes.setdefault(ATTR_TOPIC, {"DataType": "String", "StringValue": d.topic})
+        wire = wire.with_meta(r=reason, n=int(attempts), x=time.time(), a=None, d=None)
+        self._send(receipt.group.dlq_url, wire, 0, False)
+        self._delete_handles(receipt.group.queue_url, [receipt.handle])
+
+    # -- dead letters -------------------------------------------------------------------------
+    def _scan(self, queue_url: str) -> list[dict[str, Any]]:
+        """Receive every message of a (dead-letter) queue, hidden for a minute."""
+        seen: dict[str, dict[str, Any]] = {}
+        long_polled = False
+        while True:
+            resp = self._call(
+                "read dead letters", self._sqs.receive_message, QueueUrl=queue_url,
+                MaxNumberOfMessages=BATCH, WaitTimeSeconds=1 if long_polled else 0,
+                VisibilityTimeout=60, MessageAttributeNames=["All"],
+                MessageSystemAttributeNames=["SentTimestamp"],
+            )
+            batch = resp.get("Messages", [])
+            for m in batch:
+                seen[m["MessageId"]] = m
+            if batch:
+                continue
+            if long_polled:
+                return list(seen.values())
+            # Short polls sample a subset of SQS hosts; confirm the queue is empty.
+            attrs = self._call("read queue attributes", self._sqs.get_queue_attributes,
+                               QueueUrl=queue_url,
+                               AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
+            if int(attrs.get("ApproximateNumberOfMessages", 0)) == 0:
+                return list(seen.values())
+            long_polled = True
+
+    def _release(self, queue_url: str, messages: Iterable[Mapping[str, Any]]) -> None:
+        handles = [m["ReceiptHandle"] for m in messages]
+        for start in range(0, len(handles), BATCH):
+            chunk = handles[start : start + BATCH]
+            self._call(
+                "release dead letters", self._sqs.change_message_visibility_batch,
+                QueueUrl=queue_url,
+                Entries=[{"Id": str(i), "ReceiptHandle": h, "VisibilityTimeout": 0}
+                         for i, h in enumerate(chunk)],
+            )
+
+    def _dead_letter_view(self, msg: Mapping[str, Any]) -> DeadLetter:
+        wire = _from_sqs(msg)
+        meta = wire.meta
+        headers: dict[str, str] = {
+            n: v.get("StringValue", "") for n, v in wire.attributes.items() if n not in _OURS
+        }
+        if isinstance(meta.get("h"), dict):
+            headers.update(meta["h"])
+        sent = int((msg.get("Attributes") or {}).get("SentTimestamp", 0)) / 1000.0
+        published = meta.get("t") if isinstance(meta.get("t"), (int, float)) else sent
+        return DeadLetter(
+            id=str(meta.get("i") or msg["MessageId"]),
+            topic=wire.attributes.get(ATTR_TOPIC, {}).get("StringValue", ""),
+            body=_decode_body(wire.body, meta.get("e")),
+            headers=headers,
+            key=meta.get("k"),
+            priority=int(meta.get("p", 0)),
+            published_at=utc(float(published)),
+            attempts=int(meta.get("n", 0)),
+            reason=str(meta.get("r", "")),
+            dead_lettered_at=utc(float(meta.get("x", sent))),
+        )
+
+    def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
+        g = self._lookup(group)
+        messages = self._scan(g.dlq_url)
+        try:
+            views = sorted((self._dead_letter_view(m) for m in messages),
+                           key=lambda d: (d.dead_lettered_at or d.published_at))
+        finally:
+            self._release(g.dlq_url, messages)
+        return views[:limit]
+
+    def _select(self, group: str, ids: Collection[str] | None) -> tuple[_Group, list[Any],
+                                                                         list[Any]]:
+        g = self._lookup(group)
+        messages = self._scan(g.dlq_url)
+        chosen, rest = [], []
+        for m in messages:
+            mid = str(_from_sqs(m).meta.get("i") or m["MessageId"])
+            (chosen if ids is None or mid in ids else rest).append(m)
+        return g, chosen, rest
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        g, chosen, rest = self._select(group, ids)
+        try:
+            for m in chosen:
+                wire = _from_sqs(m).with_meta(r=None, n=None, x=None, a=None, d=None)
+                self._send(g.queue_url, wire, 0, g.fifo)
+            self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
+        finally:
+            self._release(g.dlq_url, rest)
+        return len(chosen)
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        # Receive + delete rather than PurgeQueue: PurgeQueue works once per 60 s, takes up
+        # to a minute, and cannot select ids.
+        g, chosen, rest = self._select(group, ids)
+        try:
+            self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
+        finally:
+            self._release(g.dlq_url, rest)
+        return len(chosen)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _size_chunks(indexes: list[int], wires: Sequence[_Wire], limit: int) -> list[list[int]]:
+    """Split into runs of ≤ 10 entries whose total size fits one batch request."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in indexes:
+        s = wires[i].size()
+        if current and (len(current) == BATCH or size + s > limit):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += s
+    if current:
+        chunks.append(current)
+    return chunks
