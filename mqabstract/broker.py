@@ -8,12 +8,13 @@ chunking, the consume loop with retry/backoff, the dead-letter decision after
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,6 +41,28 @@ __all__ = ["Backoff", "Broker", "ConsumeStats", "Message", "Subscription"]
 log = logging.getLogger("mqabstract")
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+class _IdSource:
+    """Unique message ids: 80 random bits per process + a 48-bit counter, as 32 hex chars.
+
+    As unique as a UUID4 in practice, but one syscall per process instead of per message;
+    reseeded in a forked child so parent and child never share a prefix.
+    """
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(10).hex()
+        self.counter = itertools.count(int.from_bytes(os.urandom(3), "big"))
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter) & 0xFFFFFFFFFFFF:012x}"
+
+
+_ids_source = _IdSource()
 
 
 def _translate(exc: Exception, backend: str) -> MQError:
@@ -556,7 +579,7 @@ class Broker:
                     )
                 due = ts
         if message_id is None:
-            message_id = uuid.uuid4().hex
+            message_id = _ids_source.next()
         else:
             names.check_id(message_id)
         return Envelope(message_id, topic, data, out_headers, key, prio, due, now)
