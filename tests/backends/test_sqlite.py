@@ -83,6 +83,22 @@ def test_unopenable_file_is_connection_failed(tmp_path: Path) -> None:
     assert "sqlite:///" in str(info.value)
 
 
+def test_held_write_lock_gives_retryable_timeout(url: str, tmp_path: Path) -> None:
+    with mqabstract.connect(url, busy_timeout=0.3) as mq:
+        mq.declare("g", "t")
+        blocker = sqlite3.connect(tmp_path / "mq.db", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+        try:
+            with pytest.raises(mqabstract.Timeout) as info:
+                mq.publish("t", "x")
+            assert info.value.retryable
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        mq.publish("t", "x")  # works again once the lock is released
+        assert mq.stats("g").ready == 1
+
+
 # -- semantics ---------------------------------------------------------------------------------
 def test_round_trip_fields(mq: mqabstract.Broker) -> None:
     sub = mq.subscribe("g", "a.*")
