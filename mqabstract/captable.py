@@ -22,7 +22,9 @@ __all__ = [
     "capability_table_text",
     "format_bytes",
     "format_seconds",
+    "readme_block",
     "replace_marked_block",
+    "update_readme",
 ]
 
 #: Markers around the generated table in README.md.
@@ -152,3 +154,20 @@ def replace_marked_block(text: str, table: str) -> str:
         raise ValueError("capability table markers not found")
     head = text[: start + len(README_BEGIN)]
     return head + "\n" + table + text[end:]
+
+
+def readme_block() -> str:
+    """The generated README block: the table of built-in backends with static capabilities,
+    plus a line naming the backends left out (their capabilities need a live broker)."""
+    found, skipped = builtin_capabilities()
+    text = capability_table_markdown(found)
+    if skipped:
+        names = ", ".join(skipped)
+        text += (f"\nNot in this table, because their capabilities are only known once "
+                 f"connected: {names} — run `mqa capabilities URL` against a broker.\n")
+    return text
+
+
+def update_readme(text: str) -> str:
+    """``text`` (a README) with its generated capability block brought up to date."""
+    return replace_marked_block(text, readme_block())

@@ -166,9 +166,13 @@ _BATCH_FIELDS = {"topic", "body", "body_base64", "headers", "key", "priority", "
                  "deliver_at", "id"}
 
 
-def _batch_messages(lines: Iterator[str], args: argparse.Namespace) -> list[OutgoingMessage]:
+def _batch_messages(
+    lines: Iterator[str], args: argparse.Namespace
+) -> tuple[list[OutgoingMessage], list[int]]:
+    """Messages from JSON lines, and the input line number of each."""
     base_headers = _headers(args.header)
     out: list[OutgoingMessage] = []
+    numbers: list[int] = []
     for index, line in enumerate(lines):
         if not line.strip():
             continue
@@ -211,7 +215,8 @@ def _batch_messages(lines: Iterator[str], args: argparse.Namespace) -> list[Outg
             delay=item.get("delay", args.delay if deliver_at is None else None),
             deliver_at=deliver_at, id=item.get("id"),
         ))
-    return out
+        numbers.append(index + 1)
+    return out, numbers
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -224,9 +229,15 @@ def cmd_publish(args: argparse.Namespace) -> int:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidArgument("batch input is not UTF-8 JSON lines") from exc
-        messages = _batch_messages(iter(text.splitlines()), args)
+        messages, numbers = _batch_messages(iter(text.splitlines()), args)
         with _connect(args) as mq:
-            ids = mq.publish_batch(messages)
+            try:
+                ids = mq.publish_batch(messages)
+            except ValidationError as exc:
+                if exc.index is None:
+                    raise
+                raise type(exc)(f"{exc} (input line {numbers[exc.index]}); nothing was "
+                                "published") from exc
     else:
         if args.topic is None:
             raise UsageError("publish needs a TOPIC")
@@ -560,6 +571,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # -- capabilities ------------------------------------------------------------------------------
 def cmd_capabilities(args: argparse.Namespace) -> int:
     urls: list[str] = list(args.targets)
+    if args.update:
+        if urls:
+            raise UsageError("--update uses the built-in backends' static capabilities; "
+                             "it takes no URL")
+        try:
+            with open(args.update, encoding="utf-8") as fh:
+                text = fh.read()
+            new = captable.update_readme(text)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {args.update}: {exc.strerror or exc}") from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"{args.update}: {exc} ({captable.README_BEGIN} ... "
+                                  f"{captable.README_END})") from exc
+        if new != text:
+            with open(args.update, "w", encoding="utf-8") as fh:
+                fh.write(new)
+        sys.stderr.write(f"mqa: {args.update} {'updated' if new != text else 'up to date'}\n")
+        return EXIT_OK
     if args.markdown:
         backends: dict[str, Capabilities] = {}
         if urls:
@@ -681,6 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="broker URL (default: --url); with --markdown, several")
     p.add_argument("--markdown", action="store_true",
                    help="Markdown table; without URLs, all built-in backends that import")
+    p.add_argument("--update", metavar="README.md",
+                   help="rewrite the generated table between the markers in this file")
     return parser
 
 
