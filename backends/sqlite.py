@@ -136,15 +136,27 @@ _SYNC = {"normal": "NORMAL", "full": "FULL", "extra": "EXTRA"}
 
 
 class _Shared:
-    """Per-file, per-process wake-up: writers bump ``gen`` and notify waiting receivers."""
+    """Per-file, per-process wake-up: writers bump generation counters and notify waiters.
+
+    ``gen`` wakes everyone (close, clock advance); ``groups[gid]`` only that group's
+    receivers, so a publish to one group does not make idle consumers of others re-query.
+    """
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.gen = 0
+        self.groups: dict[int, int] = {}
 
-    def wake(self) -> None:
+    def stamp(self, gid: int) -> tuple[int, int]:
+        return self.gen, self.groups.get(gid, 0)
+
+    def wake(self, gids: Collection[int] | None = None) -> None:
         with self.cond:
-            self.gen += 1
+            if gids is None:
+                self.gen += 1
+            else:
+                for gid in gids:
+                    self.groups[gid] = self.groups.get(gid, 0) + 1
             self.cond.notify_all()
 
 
@@ -220,7 +232,7 @@ class SQLiteDriver(Driver):
         self._patterns: dict[int, re.Pattern[str]] = {}
         self._routes: dict[str, tuple[int, ...]] = {}
         self._conn = self._connect()
-        self.clock.on_advance(self._shared.wake)
+        self.clock.on_advance(self._shared.wake)  # FakeClock.advance wakes every receiver
         self._caps = Capabilities.all_native(
             max_body_bytes=min(16 * 1024 * 1024, self._conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)),
             max_batch=10_000,
@@ -303,7 +315,8 @@ class SQLiteDriver(Driver):
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-    def _write(self, fn: Callable[[sqlite3.Connection], T], what: str, wake: bool = False) -> T:
+    def _write(self, fn: Callable[[sqlite3.Connection], T], what: str,
+               wake: Collection[int] = ()) -> T:
         """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction (whole thing retried on busy)."""
 
         def txn() -> T:
@@ -322,7 +335,7 @@ class SQLiteDriver(Driver):
             self._check_open()
             result = self._retry(txn, what)
         if wake:
-            self._shared.wake()
+            self._shared.wake(wake)
         return result
 
     def _read(self, fn: Callable[[sqlite3.Connection], T], what: str) -> T:
@@ -375,12 +388,14 @@ class SQLiteDriver(Driver):
         def txn(conn: sqlite3.Connection) -> None:
             rows = []
             routes: dict[str, tuple[int, ...]] = {}
+            touched.clear()
             for env in envelopes:
                 gids = routes.get(env.topic)
                 if gids is None:
                     gids = routes[env.topic] = self._route(conn, env.topic)
                 if not gids:
                     continue
+                touched.update(gids)
                 if env.deliver_at is not None:
                     state, due = DELAYED, env.deliver_at
                 else:
@@ -392,7 +407,8 @@ class SQLiteDriver(Driver):
             if rows:
                 conn.executemany(_INSERT, rows)
 
-        self._write(txn, "publish", wake=True)
+        touched: set[int] = set()
+        self._write(txn, "publish", wake=touched)
 
     # -- groups -----------------------------------------------------------------------------
     def declare(self, spec: GroupSpec) -> None:
@@ -485,8 +501,11 @@ class SQLiteDriver(Driver):
     def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
         where, args = self._id_filter(ids)
 
+        gids: list[int] = []
+
         def txn(conn: sqlite3.Connection) -> int:
             gid = self._gid(conn, group)
+            gids[:] = [gid]
             cur = conn.execute(
                 "INSERT INTO mq_queue (gid, state, due, priority, attempts, token, key, id,"
                 " topic, published_at, headers, body) SELECT gid, 0, 0, priority, 0, 0, key,"
@@ -498,7 +517,7 @@ class SQLiteDriver(Driver):
             conn.execute("DELETE FROM mq_dead WHERE gid = ?" + where, (gid, *args))
             return int(moved)
 
-        return self._write(txn, "replay_dead_letters", wake=True)
+        return self._write(txn, "replay_dead_letters", wake=gids)
 
     def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
         where, args = self._id_filter(ids)
@@ -532,11 +551,12 @@ class SQLiteSubscription(DriverSubscription):
         self._gid = gid
         self._lease = spec.lease
         self._claim = _CLAIM_ORDERED if spec.ordered else _CLAIM
-        self._ordered = spec.ordered
+        # settling the head of a key unblocks the next one only in ordered groups
+        self._wake_on_settle: tuple[int, ...] = (gid,) if spec.ordered else ()
         self._held: dict[int, int] = {}  # seq -> token of leases this consumer holds
         self._closed = False
         self._seen_version: int | None = None
-        self._seen_gen = -1
+        self._seen: tuple[int, int] = (-1, -1)
         self._next_due: float | None = None
 
     def _try_claim(self, max_messages: int) -> list[Delivery]:
@@ -556,7 +576,7 @@ class SQLiteSubscription(DriverSubscription):
         with d._lock:
             # Record what we have seen *before* looking, so a commit racing with this
             # claim still changes data_version / gen and triggers another look.
-            self._seen_gen = d._shared.gen
+            self._seen = d._shared.stamp(self._gid)
             self._seen_version = d._read(
                 lambda c: c.execute("PRAGMA data_version").fetchone()[0], "receive")
             rows = d._write(txn, "receive")
@@ -573,7 +593,7 @@ class SQLiteSubscription(DriverSubscription):
     def _changed(self) -> bool:
         """Cheap idle check: did anything happen that could make a message deliverable?"""
         d = self._d
-        if d._shared.gen != self._seen_gen:
+        if d._shared.stamp(self._gid) != self._seen:
             return True
         if self._next_due is not None and d.now() >= self._next_due:
             return True
@@ -595,9 +615,9 @@ class SQLiteSubscription(DriverSubscription):
                 wait = min(wait, max(0.0, self._next_due - d.now()) + 0.001)
             shared = d._shared
             with shared.cond:
-                if shared.gen == self._seen_gen:
+                if shared.stamp(self._gid) == self._seen:
                     shared.cond.wait(wait)
-                woken = shared.gen != self._seen_gen
+                woken = shared.stamp(self._gid) != self._seen
             if self._closed or d._closed:
                 return []
             interval = d.poll_min if woken else min(interval * 2, d.poll_max)
@@ -616,7 +636,7 @@ class SQLiteSubscription(DriverSubscription):
             lambda conn: conn.executemany(
                 "DELETE FROM mq_queue WHERE seq = ? AND token = ? AND state = 1 AND due > ?",
                 [(seq, token, now) for seq, token in receipts]),
-            "ack", wake=self._ordered,
+            "ack", wake=self._wake_on_settle,
         )
 
     def nack(self, receipt: Any, delay: float) -> None:
@@ -633,7 +653,7 @@ class SQLiteSubscription(DriverSubscription):
                 "UPDATE mq_queue SET state = ?, due = ?"
                 " WHERE seq = ? AND token = ? AND state = 1 AND due > ?",
                 [(state, due, seq, token, now) for seq, token in receipts]),
-            "nack", wake=True,
+            "nack", wake=(self._gid,),
         )
 
     def extend(self, receipt: Any, seconds: float) -> None:
@@ -663,7 +683,7 @@ class SQLiteSubscription(DriverSubscription):
             if cur.rowcount:
                 conn.execute("DELETE FROM mq_queue WHERE seq = ?", (seq,))
 
-        self._d._write(txn, "dead_letter", wake=self._ordered)
+        self._d._write(txn, "dead_letter", wake=self._wake_on_settle)
 
     def _check_open(self) -> None:
         if self._closed:
