@@ -71,16 +71,16 @@ class Ctx:
     ) -> Subscription:
         broker = broker or self.broker
         group = self.group(name)
+        self._remember(broker, group)  # before: a half-made group is cleaned up too
         sub = broker.subscribe(group, pattern, **kw)
-        self._remember(broker, group)
         self._subs.append(sub)
         return sub
 
     def declare(self, name: str, pattern: str, broker: Broker | None = None, **kw: Any) -> str:
         broker = broker or self.broker
         group = self.group(name)
-        broker.declare(group, pattern, **kw)
         self._remember(broker, group)
+        broker.declare(group, pattern, **kw)
         return group
 
     def _remember(self, broker: Broker, group: str) -> None:

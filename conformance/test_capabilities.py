@@ -21,10 +21,10 @@ def _message(ctx: Ctx) -> mqabstract.Message:
 
 # One call per feature that must raise Unsupported when the feature is UNSUPPORTED.
 PROBES: dict[Feature, Callable[[Ctx], object]] = {
-    Feature.WILDCARDS: lambda c: c.broker.subscribe(c.group("w"), c.pattern("*")),
+    Feature.WILDCARDS: lambda c: c.subscribe("w", c.pattern("*")),
     Feature.DELAY: lambda c: c.broker.publish(c.topic("d"), b"x", delay=1),
     Feature.PRIORITY: lambda c: c.broker.publish(c.topic("p"), b"x", priority=5),
-    Feature.ORDERING: lambda c: c.broker.subscribe(c.group("o"), c.pattern("#"), ordered=True),
+    Feature.ORDERING: lambda c: c.subscribe("o", c.pattern("#"), ordered=True),
     Feature.NACK_DELAY: lambda c: _message(c).nack(delay=1),
     Feature.LEASE_EXTEND: lambda c: _message(c).extend(5),
     Feature.DEAD_LETTER: lambda c: c.broker.dead_letters(c.declare("dl", c.pattern("#"))),
