@@ -17,9 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mqabstract.backends.sqlite import _SCHEMA
-
 import mqabstract
+from mqabstract.backends.sqlite import _SCHEMA
 
 BODY = b"x" * 100
 
