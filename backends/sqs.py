@@ -375,6 +375,35 @@ class SQSDriver(Driver):
         "retries": Option(int, 3, "botocore retry attempts for throttling and 5xx"),
     }
 
+    CAPABILITIES = Capabilities(
+        features={
+            Feature.WILDCARDS: Support.EMULATED,
+            Feature.FANOUT: Support.NATIVE,
+            Feature.COMPETING: Support.NATIVE,
+            Feature.LEASE_EXTEND: Support.NATIVE,
+            Feature.NACK_DELAY: Support.NATIVE,
+            Feature.DELAY: Support.EMULATED,
+            Feature.PRIORITY: Support.UNSUPPORTED,
+            Feature.ORDERING: Support.NATIVE,
+            Feature.DEAD_LETTER: Support.EMULATED,
+            Feature.BATCH: Support.NATIVE,
+        },
+        max_body_bytes=MAX_BODY,
+        max_headers=64,
+        max_header_bytes=MAX_HEADER_BYTES,
+        max_delay=MAX_DELAY,
+        max_batch=BATCH,
+        max_priority=0,
+        max_lease=float(MAX_VISIBILITY),
+        max_receive=BATCH,
+        notes={
+            Feature.PRIORITY: (
+                "SQS has no priority and receives from a standard queue are sampled, so "
+                "queue-per-level polling cannot guarantee higher-first; use separate groups"
+            ),
+        },
+    )
+
     def __init__(self, url: BrokerURL, opts: Mapping[str, Any], sqs: Any, sns: Any) -> None:
         self._url = url
         self._opts = opts
@@ -385,34 +414,7 @@ class SQSDriver(Driver):
         self._lock = threading.Lock()
         self._closed = False
         self._topic_arn = ""
-        self._caps = Capabilities(
-            features={
-                Feature.WILDCARDS: Support.EMULATED,
-                Feature.FANOUT: Support.NATIVE,
-                Feature.COMPETING: Support.NATIVE,
-                Feature.LEASE_EXTEND: Support.NATIVE,
-                Feature.NACK_DELAY: Support.NATIVE,
-                Feature.DELAY: Support.EMULATED,
-                Feature.PRIORITY: Support.UNSUPPORTED,
-                Feature.ORDERING: Support.NATIVE,
-                Feature.DEAD_LETTER: Support.EMULATED,
-                Feature.BATCH: Support.NATIVE,
-            },
-            max_body_bytes=MAX_BODY,
-            max_headers=64,
-            max_header_bytes=MAX_HEADER_BYTES,
-            max_delay=MAX_DELAY,
-            max_batch=BATCH,
-            max_priority=0,
-            max_lease=float(MAX_VISIBILITY),
-            max_receive=BATCH,
-            notes={
-                Feature.PRIORITY: (
-                    "SQS has no priority and receives from a standard queue are sampled, so "
-                    "queue-per-level polling cannot guarantee higher-first; use separate groups"
-                ),
-            },
-        )
+        self._caps = self.CAPABILITIES
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
