@@ -74,6 +74,27 @@ def _translate(exc: Exception, backend: str) -> MQError:
     return err
 
 
+class _Guard:
+    """Context manager translating stray driver exceptions into ``MQError`` (one place).
+
+    ``MQError`` passes through untouched, keeping the native exception its driver chained.
+    A class rather than ``@contextmanager``: it sits on the ack/receive hot path.
+    """
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, MQError) or not isinstance(exc, Exception):
+            return False
+        raise _translate(exc, self.backend) from exc
+
+
 def _check_seconds(value: object, what: str, maximum: float, allow_zero: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{what} must be a number of seconds, not {type(value).__name__}")
@@ -260,16 +281,14 @@ class Subscription:
         while True:
             remaining = max(0.0, deadline - time.monotonic())
             want = min(max_messages - len(out), caps.max_receive)
-            try:
+            with self._broker._guard:
                 batch = self._inner.receive(want, remaining)
-            except Exception as exc:
-                raise self._broker._translate(exc) from exc
             for delivery in batch:
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     self._expire(delivery)
                     continue
                 out.append(Message(delivery, self))
-            if out or remaining <= 0 or self._closed:
+            if out or self._closed or time.monotonic() >= deadline:
                 break
         if out:
             with self._lock:
@@ -278,10 +297,8 @@ class Subscription:
 
     def _expire(self, delivery: Delivery) -> None:
         reason = f"max attempts ({self.spec.max_attempts}) exceeded"
-        try:
+        with self._broker._guard:
             self._inner.dead_letter(delivery.receipt, reason, delivery.attempt - 1)
-        except Exception as exc:
-            raise self._broker._translate(exc) from exc
 
     # -- settlement (called by Message) ---------------------------------------------------
     def _forget(self, msg: Message) -> None:
@@ -290,10 +307,8 @@ class Subscription:
 
     def _settle_ack(self, msg: Message) -> None:
         self._forget(msg)
-        try:
+        with self._broker._guard:
             self._inner.ack((msg._receipt,))
-        except Exception as exc:
-            raise self._broker._translate(exc) from exc
 
     def _check_nack(self, delay: object) -> None:
         self._check_open()
@@ -304,7 +319,7 @@ class Subscription:
 
     def _settle_nack(self, msg: Message, delay: float) -> None:
         self._forget(msg)
-        try:
+        with self._broker._guard:
             if msg.attempt >= self.spec.max_attempts and self._broker.capabilities.supports(
                 Feature.DEAD_LETTER
             ):
@@ -312,24 +327,18 @@ class Subscription:
                 self._inner.dead_letter(msg._receipt, reason, msg.attempt)
             else:
                 self._inner.nack(msg._receipt, delay)
-        except Exception as exc:
-            raise self._broker._translate(exc) from exc
 
     def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None:
         self._forget(msg)
-        try:
+        with self._broker._guard:
             self._inner.dead_letter(msg._receipt, reason[:1000], attempts)
-        except Exception as exc:
-            raise self._broker._translate(exc) from exc
 
     def _extend(self, msg: Message, seconds: object) -> None:
         self._check_open()
         self._broker._require(Feature.LEASE_EXTEND)
         value = _check_seconds(seconds, "extend", self._broker.capabilities.max_lease, False)
-        try:
+        with self._broker._guard:
             self._inner.extend(msg._receipt, value)
-        except Exception as exc:
-            raise self._broker._translate(exc) from exc
 
     # -- push-style loop ------------------------------------------------------------------
     def consume(
@@ -432,10 +441,8 @@ class Subscription:
                     log.debug("close: could not release %s: %s", msg.id, redact(str(exc)))
         self._closed = True
         self._broker._forget(self)
-        try:
+        with self._broker._guard:
             self._inner.close()
-        except Exception as exc:
-            raise self._broker._translate(exc) from exc
 
     def __enter__(self) -> Subscription:
         return self
@@ -455,6 +462,7 @@ class Broker:
         self._driver = driver
         self._url = url
         self._caps: Capabilities = driver.capabilities
+        self._guard = _Guard(driver.name)
         self._clock = getattr(driver, "clock", None)
         self._closed = False
         self._lock = threading.Lock()
@@ -606,10 +614,8 @@ class Broker:
         self._check_open()
         env = self._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
                              self._now())
-        try:
+        with self._guard:
             self._driver.publish((env,))
-        except Exception as exc:
-            raise self._translate(exc) from exc
         return env.id
 
     def publish_batch(
@@ -718,10 +724,8 @@ class Broker:
         """
         self._check_open()
         spec = self._spec(group, pattern, max_attempts, lease, ordered, priority, options)
-        try:
+        with self._guard:
             self._driver.declare(spec)
-        except Exception as exc:
-            raise self._translate(exc) from exc
         return spec
 
     def subscribe(
@@ -740,10 +744,8 @@ class Broker:
             group, pattern, max_attempts=max_attempts, lease=lease, ordered=ordered,
             priority=priority, **options,
         )
-        try:
+        with self._guard:
             inner = self._driver.subscribe(spec)
-        except Exception as exc:
-            raise self._translate(exc) from exc
         sub = Subscription(self, spec, inner)
         with self._lock:
             self._subs.add(sub)
@@ -756,10 +758,8 @@ class Broker:
     def _group_call(self, fn: Callable[..., Any], group: str, *args: Any) -> Any:
         self._check_open()
         names.check_group(group)
-        try:
+        with self._guard:
             return fn(group, *args)
-        except Exception as exc:
-            raise self._translate(exc) from exc
 
     # -- dead letters ---------------------------------------------------------------------
     def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
@@ -806,10 +806,8 @@ class Broker:
             except Exception as exc:
                 first = first or exc
         self._closed = True
-        try:
+        with self._guard:
             self._driver.close()
-        except Exception as exc:
-            raise self._translate(exc) from exc
         if first is not None:
             raise self._translate(first)  # type: ignore[arg-type]
 

@@ -271,3 +271,23 @@ def test_connect_uses_mq_url_then_default(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_capabilities_must_declare_every_feature() -> None:
     with pytest.raises(ValueError, match="missing"):
         mqabstract.Capabilities(features={Feature.DELAY: Support.NATIVE}, max_body_bytes=1)
+
+
+class _NativeFail(MemoryDriver):
+    name = "nativefail"
+
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        try:
+            raise OSError("native boom")
+        except OSError as exc:
+            raise ConnectionFailed("nativefail: broker unreachable") from exc
+
+
+def test_driver_mqerrors_keep_their_native_cause() -> None:
+    mqabstract.register("nativefail", _NativeFail)
+    with (
+        mqabstract.connect(f"nativefail://{uuid.uuid4().hex}") as mq,
+        pytest.raises(ConnectionFailed) as info,
+    ):
+        mq.publish("t", b"x")
+    assert isinstance(info.value.__cause__, OSError)
