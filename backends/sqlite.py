@@ -30,6 +30,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -198,13 +199,20 @@ class SQLiteDriver(Driver):
     """A SQLite file as a durable, multi-process broker."""
 
     name: ClassVar[str] = "sqlite"
+    CAPABILITIES = Capabilities.all_native(
+        max_body_bytes=16 * 1024 * 1024,
+        max_batch=10_000,
+        max_receive=1000,
+        shared_between_processes=True,
+        durable=True,
+    )
     OPTIONS: ClassVar[dict[str, Option]] = {
         "busy_timeout": Option(
             float, 10.0, "seconds to wait for another process's write lock before Timeout"
         ),
         "synchronous": Option(
-            str, "normal",
-            "normal (WAL: survives process crashes) or full (also survives power loss)",
+            str, "full",
+            "full (a returned publish survives power loss) or normal (process crashes only)",
         ),
         "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds"),
         "poll_max": Option(float, 0.1, "longest idle re-check interval of receive, seconds"),
@@ -233,13 +241,9 @@ class SQLiteDriver(Driver):
         self._routes: dict[str, tuple[int, ...]] = {}
         self._conn = self._connect()
         self.clock.on_advance(self._shared.wake)  # FakeClock.advance wakes every receiver
-        self._caps = Capabilities.all_native(
-            max_body_bytes=min(16 * 1024 * 1024, self._conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)),
-            max_batch=10_000,
-            max_receive=1000,
-            shared_between_processes=True,
-            durable=True,
-        )
+        limit = self._conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+        self._caps = replace(self.CAPABILITIES,
+                             max_body_bytes=min(self.CAPABILITIES.max_body_bytes, limit))
 
     # -- connection -----------------------------------------------------------------------
     @classmethod
