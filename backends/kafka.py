@@ -1,0 +1,1141 @@
+"""Kafka backend (``kafka://host:9092[,host2:9092]``) on kafka-python 3.0.
+
+Mapping (details and reasons in ``docs/backends/kafka.md``):
+
+* one Kafka topic per mqabstract topic, created on demand with ``partitions`` partitions;
+  ``key`` is the Kafka key, so per-key order is the partition's order;
+* a group is a Kafka consumer group subscribed by regex over the mapped topic names plus its
+  own retry topic ``__mqa..r..<group>``; its dead letters live in ``__mqa..d..<group>``;
+* the group's declaration time is stored as a committed offset of the group on the
+  internal topic ``__mqa..groups`` (durable, shared between processes);
+* per-message ack on top of offsets: only the contiguous acked prefix of each partition is
+  committed; auto-commit is off;
+* nack, lease expiry, delay and replay re-publish the message to the group's retry topic
+  with its due time and delivery count in headers; a background thread per consumer
+  holds records that are not due yet and hands them out when they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import itertools
+import logging
+import random
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar
+
+from kafka import (
+    ConsumerRebalanceListener,
+    KafkaAdminClient,
+    KafkaConsumer,
+    KafkaProducer,
+    TopicPartition,
+)
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from mqabstract.capabilities import Capabilities, Feature, Support
+from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.errors import (
+    Closed,
+    ConnectionFailed,
+    MessageTooLarge,
+    MQError,
+    NotFound,
+    PublishError,
+    Timeout,
+)
+from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
+from mqabstract.names import topic_matches
+from mqabstract.options import Option, parse_options
+from mqabstract.url import BrokerURL, redact
+
+__all__ = ["KafkaDriver", "kafka_topic_name", "topic_regex"]
+
+log = logging.getLogger("mqabstract.kafka")
+
+# Headers we carry; users cannot set ``mq-`` headers (the portable layer rejects them).
+H_ID = "mq-id"
+H_TS = "mq-ts"  # published_at, exact float (the record timestamp has ms precision)
+H_TOPIC = "mq-topic"  # mqabstract topic, on retry/dead-letter records and hashed topics
+H_KEY = "mq-key"  # original key on dead-letter records (their Kafka key is the entry id)
+H_N = "mq-n"  # deliveries so far (attempt of the next delivery = n + 1)
+H_DUE = "mq-due"  # epoch seconds before which the record must not be delivered
+H_HOPS = "mq-hops"  # idle hand-offs between consumers of a group, for back-off
+H_REASON = "mq-reason"
+H_DEAD_AT = "mq-dead-at"
+
+MAX_TOPIC = 249  # Apache Kafka's limit on topic names
+INTERNAL = "__mqa.."  # internal names contain "..", which no mapped mqabstract name does
+HASHED = "__mqh.."
+REGISTRY = INTERNAL + "groups"
+
+_TANSU_NO_TS = -1
+
+
+def _escape(name: str) -> str:
+    # Apache Kafka refuses a topic whose name equals another's after '.' -> '_' (metric
+    # names collide). Mapped names never contain '_', so the mapping stays injective there.
+    return name.replace("-", "--").replace("_", "-u")
+
+
+_UNESCAPE = re.compile(r"-(.)")
+
+
+def _unescape(name: str) -> str:
+    return _UNESCAPE.sub(lambda m: {"-": "-", "u": "_"}.get(m[1], m[0]), name)
+
+
+def kafka_topic_name(topic: str, prefix: str = "") -> str:
+    """The Kafka topic for an mqabstract topic (hashed when longer than Kafka allows)."""
+    name = prefix + _escape(topic)
+    if len(name) <= MAX_TOPIC:
+        return name
+    return HASHED + hashlib.sha256((prefix + "\0" + topic).encode()).hexdigest()[:48]
+
+
+def _internal(kind: str, group: str) -> str:
+    name = f"{INTERNAL}{kind}..{_escape(group)}"
+    if len(name) <= MAX_TOPIC:
+        return name
+    return f"{INTERNAL}{kind}..h-{hashlib.sha256(group.encode()).hexdigest()[:48]}"
+
+
+def topic_regex(pattern: str, prefix: str = "") -> str:
+    """A regex over Kafka topic names matching exactly the mapped topics ``pattern`` matches.
+
+    AMQP ``#`` absorbs its own separator, so a separator is either a dot or, at the very
+    start of the mapped name, nothing (the fixed-width look-behind on the prefix).
+    """
+    words = pattern.split(".")
+    if "*" not in words and "#" not in words:
+        return "^" + re.escape(kafka_topic_name(pattern, prefix)) + "$"
+    sep = rf"(?:(?<=^{re.escape(prefix)})|\.)"
+    parts = []
+    for word in words:
+        if word == "*":
+            parts.append(sep + r"[^.]+")
+        elif word == "#":
+            parts.append(rf"(?:{sep}[^.]+)*")
+        else:
+            parts.append(sep + re.escape(_escape(word)))
+    # Hashed (over-long) topics cannot be matched by name: take them all and filter on the
+    # topic carried in their header.
+    return rf"^(?:{re.escape(prefix)}{''.join(parts)}|{re.escape(HASHED)}.+)$"
+
+
+def _hdr(headers: Sequence[tuple[str, bytes | None]]) -> dict[str, str]:
+    return {k: (v or b"").decode("utf-8", "replace") for k, v in headers}
+
+
+def _native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
+    text = redact(f"{what} on {url.redacted()}: {type(exc).__name__}: {exc}")[:2000]
+    name = type(exc).__name__
+    if "TooLarge" in name:
+        return MessageTooLarge(text)
+    if "Timeout" in name:
+        return Timeout(text)
+    if isinstance(exc, KafkaError) and not getattr(exc, "retriable", True):
+        return MQError(text)
+    return ConnectionFailed(text)
+
+
+class KafkaDriver(Driver):
+    """Kafka through kafka-python: topics, partitions, consumer groups, emulated leases."""
+
+    name: ClassVar[str] = "kafka"
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "partitions": Option(int, 4, "partitions of topics this driver creates"),
+        "replication_factor": Option(int, -1, "replication of created topics (-1: broker)"),
+        "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
+        "session_timeout_ms": Option(int, 3000, "consumer session; joins take about half"),
+        "heartbeat_interval_ms": Option(int, 1000, "consumer heartbeat"),
+        "metadata_max_age_ms": Option(int, 1000, "how soon new topics reach pattern groups"),
+        "request_timeout_ms": Option(int, 15000, "per request"),
+        "connect_timeout": Option(float, 10.0, "seconds to reach the cluster at open"),
+        "linger_ms": Option(int, 2, "producer batching delay"),
+        "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group"),
+        "max_buffered": Option(int, 20000, "records one consumer holds before pausing"),
+        "client_id": Option(str, "mqabstract", "Kafka client id"),
+        "security_protocol": Option(str, None, "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
+        "sasl_mechanism": Option(str, None, "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ..."),
+        "sasl_plain_username": Option(str, None, "SASL user (default: URL user)"),
+        "sasl_plain_password": Option(str, None, "SASL password (default: URL password)"),
+        "ssl_cafile": Option(str, None, "CA bundle"),
+        "ssl_certfile": Option(str, None, "client certificate"),
+        "ssl_keyfile": Option(str, None, "client key"),
+        "ssl_password": Option(str, None, "client key password"),
+        "ssl_check_hostname": Option(bool, True, "verify the broker's host name"),
+    }
+
+    def __init__(self, url: BrokerURL, opts: dict[str, Any]) -> None:
+        self.url = url
+        self.opts = opts
+        self.prefix: str = opts["topic_prefix"]
+        self.partitions: int = max(1, opts["partitions"])
+        self.common = self._client_config(url, opts)
+        self._lock = threading.Lock()  # admin client and caches
+        self._known: set[str] = set()
+        self._declared: dict[str, int] = {}
+        self._closed = False
+        timeout = int(opts["connect_timeout"] * 1000)
+        self.admin: Any = None
+        try:
+            self.admin = KafkaAdminClient(**self.common, bootstrap_timeout_ms=timeout)
+            self.producer = KafkaProducer(
+                **self.common,
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=opts["linger_ms"],
+                max_request_size=1_048_576,
+                batch_size=256 * 1024,
+                bootstrap_timeout_ms=timeout,
+            )
+        except Exception as exc:
+            if self.admin is not None:
+                with contextlib.suppress(Exception):
+                    self.admin.close()
+            raise ConnectionFailed(
+                f"cannot connect to {url.redacted()}: {type(exc).__name__}: "
+                f"{redact(str(exc))[:300]}"
+            ) from exc
+        self._caps = Capabilities(
+            features={
+                Feature.WILDCARDS: Support.EMULATED,
+                Feature.FANOUT: Support.NATIVE,
+                Feature.COMPETING: Support.NATIVE,
+                Feature.LEASE_EXTEND: Support.EMULATED,
+                Feature.NACK_DELAY: Support.EMULATED,
+                Feature.DELAY: Support.EMULATED,
+                Feature.PRIORITY: Support.UNSUPPORTED,
+                Feature.ORDERING: Support.NATIVE,
+                Feature.DEAD_LETTER: Support.EMULATED,
+                Feature.BATCH: Support.NATIVE,
+            },
+            # Apache's default message.max.bytes is 1 MiB + 12 per batch; keep room for
+            # headers (16 KiB) and ours.
+            max_body_bytes=1_000_000,
+            max_headers=64,
+            max_header_bytes=16 * 1024,
+            # Topics keep records 7 days by default: a delayed record must outlive its delay.
+            max_delay=6 * 86400.0,
+            max_batch=10_000,
+            max_priority=0,
+            max_receive=1000,
+            max_consumers_per_group=self.partitions,
+            notes={
+                Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
+                "partitions by priority would only reorder what one consumer has fetched",
+            },
+        )
+
+    # -- setup -------------------------------------------------------------------------------
+    @staticmethod
+    def _client_config(url: BrokerURL, opts: Mapping[str, Any]) -> dict[str, Any]:
+        servers = [f"{h}:{p or 9092}" if ":" not in h else f"[{h}]:{p or 9092}"
+                   for h, p in url.hosts] or ["127.0.0.1:9092"]
+        cfg: dict[str, Any] = {
+            "bootstrap_servers": servers,
+            "client_id": opts["client_id"],
+            "request_timeout_ms": opts["request_timeout_ms"],
+        }
+        user = opts["sasl_plain_username"] or url.username
+        password = opts["sasl_plain_password"] or url.password
+        protocol = opts["security_protocol"]
+        if user is not None:
+            cfg["sasl_mechanism"] = opts["sasl_mechanism"] or "PLAIN"
+            cfg["sasl_plain_username"] = user
+            cfg["sasl_plain_password"] = password
+            protocol = protocol or "SASL_PLAINTEXT"
+        elif opts["sasl_mechanism"]:
+            cfg["sasl_mechanism"] = opts["sasl_mechanism"]
+        if protocol:
+            cfg["security_protocol"] = protocol
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_password"):
+            if opts[name]:
+                cfg[name] = opts[name]
+        if not opts["ssl_check_hostname"]:
+            cfg["ssl_check_hostname"] = False
+        return cfg
+
+    @classmethod
+    def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> KafkaDriver:
+        return cls(url, parse_options(url, options, cls.OPTIONS, cls.name))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def _check(self) -> None:
+        if self._closed:
+            raise Closed(f"broker {self.url.redacted()} is closed")
+
+    def topic(self, topic: str) -> str:
+        return kafka_topic_name(topic, self.prefix)
+
+    def retry_topic(self, group: str) -> str:
+        return _internal("r", group)
+
+    def dead_topic(self, group: str) -> str:
+        return _internal("d", group)
+
+    def ensure_topics(self, names: Collection[str], partitions: int | None = None,
+                      compact: bool = False) -> None:
+        """Create missing topics (idempotent; an existing topic keeps its partitions)."""
+        missing = [n for n in names if n not in self._known]
+        if not missing:
+            return
+        configs = {"cleanup.policy": "compact"} if compact else {}
+        new = [NewTopic(n, partitions or self.partitions, self.opts["replication_factor"],
+                        topic_configs=configs) for n in missing]
+        try:
+            with self._lock:
+                result = self.admin.create_topics(new, raise_errors=False)
+        except Exception as exc:
+            raise _native(exc, "cannot create topics", self.url) from exc
+        for item in result.get("topics", []):
+            code = item.get("error_code", 0)
+            if code not in (0, 36):  # 36: TOPIC_ALREADY_EXISTS
+                raise ConnectionFailed(
+                    f"cannot create topic {item.get('name')!r} on {self.url.redacted()}: "
+                    f"error {code} {item.get('error_message') or ''}"
+                )
+        self._known.update(missing)
+
+    # -- publishing ----------------------------------------------------------------------------
+    def _record_headers(self, env: Envelope, topic_header: bool) -> list[tuple[str, bytes]]:
+        headers = [(k, v.encode()) for k, v in env.headers.items()]
+        headers.append((H_ID, env.id.encode()))
+        headers.append((H_TS, repr(env.published_at).encode()))
+        if env.deliver_at is not None:
+            headers.append((H_DUE, repr(env.deliver_at).encode()))
+        if topic_header:
+            headers.append((H_TOPIC, env.topic.encode()))
+        return headers
+
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        self._check()
+        names = {e.topic: self.topic(e.topic) for e in envelopes}
+        self.ensure_topics(set(names.values()))
+        futures: list[Any] = []
+        for env in envelopes:
+            name = names[env.topic]
+            try:
+                futures.append(self.producer.send(
+                    name,
+                    value=env.body,
+                    key=env.key.encode() if env.key is not None else None,
+                    headers=self._record_headers(env, name.startswith(HASHED)),
+                    timestamp_ms=int(env.published_at * 1000),
+                ))
+            except Exception as exc:
+                futures.append(exc)
+        self.wait_all(futures, [e.id for e in envelopes])
+
+    def wait_all(self, futures: list[Any], ids: list[str]) -> list[Any]:
+        """Wait for every send; raise PublishError naming the ones that failed."""
+        with contextlib.suppress(Exception):
+            self.producer.flush(timeout=self.opts["request_timeout_ms"] / 1000 * 2)
+        failed: dict[int, MQError] = {}
+        done: list[str] = []
+        meta: list[Any] = []
+        for i, fut in enumerate(futures):
+            try:
+                if isinstance(fut, BaseException):
+                    raise fut
+                meta.append(fut.get(timeout=self.opts["request_timeout_ms"] / 1000))
+                done.append(ids[i])
+            except Exception as exc:
+                meta.append(None)
+                failed[i] = _native(exc, "publish failed", self.url)
+        if failed:
+            if len(futures) == 1:
+                raise failed[0]
+            first = next(iter(failed.values()))
+            raise PublishError(f"{len(failed)} of {len(futures)} not confirmed: {first}",
+                               published=done, failed=failed)
+        return meta
+
+    def send_one(self, topic: str, value: bytes | None, key: bytes | None,
+                 headers: list[tuple[str, bytes]], partition: int | None = None) -> Any:
+        """Send one record and wait for its ack (one record per batch, see dead_letters)."""
+        try:
+            fut = self.producer.send(topic, value=value, key=key, headers=headers,
+                                     partition=partition)
+            self.producer.flush(timeout=self.opts["request_timeout_ms"] / 1000)
+            return fut.get(timeout=self.opts["request_timeout_ms"] / 1000)
+        except Exception as exc:
+            raise _native(exc, f"cannot write to {topic}", self.url) from exc
+
+    # -- groups --------------------------------------------------------------------------------
+    def declare(self, spec: GroupSpec) -> None:
+        self._check()
+        names = [self.retry_topic(spec.name)]
+        words = spec.pattern.split(".")
+        if "*" not in words and "#" not in words:
+            names.append(self.topic(spec.pattern))
+        self.ensure_topics(names)
+        self.ensure_topics([self.dead_topic(spec.name)], partitions=1, compact=True)
+        self.ensure_topics([REGISTRY], partitions=1)
+        self.declared_ms(spec.name, create=True)
+
+    def declared_ms(self, group: str, create: bool = False) -> int | None:
+        """When the group was declared (epoch ms), stored as its committed offset on the
+        registry topic: durable, visible to every process, no extra topic per group.
+
+        (Offset-commit metadata would be the obvious place, but tansu drops it.)
+        """
+        if group in self._declared:
+            return self._declared[group]
+        tp = TopicPartition(REGISTRY, 0)
+        try:
+            with self._lock:
+                found = self.admin.list_group_offsets({group: [tp]}).get(group, {})
+                oam = found.get(tp)
+                if oam is not None and oam.offset >= 0:
+                    value: int | None = oam.offset
+                elif create:
+                    value = int(time.time() * 1000)
+                    self.admin.alter_group_offsets(group, {tp: OffsetAndMetadata(value, "", -1)})
+                else:
+                    value = None
+        except Exception as exc:
+            raise _native(exc, f"cannot read group {group!r}", self.url) from exc
+        if value is not None:
+            self._declared[group] = value
+        return value
+
+    def subscribe(self, spec: GroupSpec) -> DriverSubscription:
+        self._check()
+        declared = self.declared_ms(spec.name, create=True)
+        assert declared is not None
+        return KafkaSubscription(self, spec, declared)
+
+    def commit_marks(self, group: str, marks: Mapping[TopicPartition, int]) -> None:
+        """Record, in a shadow group, how far records were handed to the application.
+
+        After a crash the next owner gives records below the mark attempt + 1.
+        """
+        offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in marks.items()}
+        try:
+            with self._lock:
+                self.admin.alter_group_offsets(_shadow(group), offsets)
+        except Exception as exc:  # best effort: only the attempt count depends on it
+            log.debug("kafka: delivery mark for %s not stored: %s", group, exc)
+
+    def read_marks(self, group: str) -> dict[TopicPartition, int]:
+        try:
+            with self._lock:
+                found = self.admin.list_group_offsets({_shadow(group): None})
+        except Exception as exc:
+            log.debug("kafka: delivery marks of %s unreadable: %s", group, exc)
+            return {}
+        return {tp: oam.offset for tp, oam in found.get(_shadow(group), {}).items()
+                if oam is not None and oam.offset >= 0}
+
+    # -- dead letters ----------------------------------------------------------------------------
+    def _read_all(self, topic: str) -> list[Any]:
+        """Every record of a one-partition topic, oldest first.
+
+        Reads up to the end offset. tansu reports a wrong (too low) end offset after a
+        batched produce, so every write to dead-letter topics is a one-record batch (see
+        ``send_one``); that is also correct on Apache Kafka.
+        """
+        consumer = KafkaConsumer(**self.common, group_id=None, enable_auto_commit=False)
+        try:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])
+            consumer.seek_to_beginning(tp)
+            end = consumer.end_offsets([tp])[tp]
+            out: list[Any] = []
+            deadline = time.monotonic() + self.opts["request_timeout_ms"] / 1000
+            while consumer.position(tp) < end and time.monotonic() < deadline:
+                for recs in consumer.poll(timeout_ms=200).values():
+                    out.extend(recs)
+            return out
+        except Exception as exc:
+            raise _native(exc, f"cannot read {topic}", self.url) from exc
+        finally:
+            consumer.close()
+
+    def _dead_entries(self, group: str) -> list[Any]:
+        topic = self.dead_topic(group)
+        if topic not in self._known:
+            try:
+                with self._lock:
+                    exists = topic in set(self.admin.list_topics())
+            except Exception as exc:
+                raise _native(exc, "cannot list topics", self.url) from exc
+            if not exists:
+                raise NotFound(f"no group {group!r} on {self.url.redacted()}")
+            self._known.add(topic)
+        live: dict[bytes, Any] = {}
+        for rec in self._read_all(topic):
+            if rec.value is None:  # tombstone: purged or replayed
+                live.pop(rec.key, None)
+            else:
+                live[rec.key] = rec
+        return list(live.values())
+
+    @staticmethod
+    def _dead_letter(rec: Any) -> DeadLetter:
+        h = _hdr(rec.headers)
+        meta = {k: h.pop(k) for k in list(h) if k.startswith("mq-")}
+        dead_at = meta.get(H_DEAD_AT)
+        return DeadLetter(
+            id=meta.get(H_ID, ""),
+            topic=meta.get(H_TOPIC, ""),
+            body=rec.value,
+            headers=h,
+            key=meta.get(H_KEY),
+            priority=0,
+            published_at=utc(float(meta.get(H_TS, rec.timestamp / 1000))),
+            attempts=int(meta.get(H_N, "0")),
+            reason=meta.get(H_REASON, ""),
+            dead_lettered_at=utc(float(dead_at)) if dead_at else None,
+        )
+
+    def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
+        self._check()
+        return [self._dead_letter(r) for r in self._dead_entries(group)[:limit]]
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        self._check()
+        picked = self._pick(group, ids)
+        retry = self.retry_topic(group)
+        self.ensure_topics([retry])
+        for rec in picked:
+            headers = [(k, v) for k, v in rec.headers
+                       if k not in (H_N, H_REASON, H_DEAD_AT, H_KEY, H_HOPS, H_DUE)]
+            headers.append((H_N, b"0"))
+            key = _hdr(rec.headers).get(H_KEY)
+            self.send_one(retry, rec.value, key.encode() if key is not None else None, headers)
+            self.send_one(self.dead_topic(group), None, rec.key, [])
+        return len(picked)
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        # Kafka cannot delete single records (and tansu has no delete_records): a purge
+        # writes a tombstone for the entry; the topic is compacted, so Apache Kafka drops
+        # both eventually, and readers skip tombstoned entries at once.
+        self._check()
+        picked = self._pick(group, ids)
+        for rec in picked:
+            self.send_one(self.dead_topic(group), None, rec.key, [])
+        return len(picked)
+
+    def _pick(self, group: str, ids: Collection[str] | None) -> list[Any]:
+        entries = self._dead_entries(group)
+        if ids is None:
+            return entries
+        return [r for r in entries if _hdr(r.headers).get(H_ID) in ids]
+
+    def stats(self, group: str) -> GroupStats:
+        self._check()
+        return GroupStats(group, None, None, None, len(self._dead_entries(group)))
+
+    def delete_group(self, group: str) -> None:
+        self._check()
+        topics = [self.retry_topic(group), self.dead_topic(group)]
+        try:
+            with self._lock:
+                with contextlib.suppress(Exception):
+                    self.admin.delete_topics(topics, raise_errors=False)
+                with contextlib.suppress(Exception):
+                    self.admin.delete_groups([group, _shadow(group)])
+        except Exception as exc:  # pragma: no cover - suppressed above
+            raise _native(exc, f"cannot delete group {group!r}", self.url) from exc
+        self._known.difference_update(topics)
+        self._declared.pop(group, None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.producer.flush()
+        finally:
+            with contextlib.suppress(Exception):
+                self.producer.close(timeout=5)
+            with contextlib.suppress(Exception):
+                self.admin.close()
+
+
+def _shadow(group: str) -> str:
+    return group + "..mqa-delivered"
+
+
+class _Part:
+    """Offsets of one assigned partition: fetched, acked, committed."""
+
+    __slots__ = ("committed", "done", "mark", "next_fetch", "order", "revoked_at")
+
+    def __init__(self, committed: int | None, mark: int) -> None:
+        self.order: deque[int] = deque()  # fetched offsets not yet committed, in order
+        self.done: set[int] = set()
+        self.committed = committed
+        self.next_fetch: int | None = None
+        self.mark = mark  # records below were handed to an application before
+        self.revoked_at: int | None = None
+
+    def fetched(self, offset: int) -> None:
+        self.order.append(offset)
+        self.next_fetch = offset + 1
+
+    def commit_point(self) -> int | None:
+        order, done = self.order, self.done
+        while order and order[0] in done:
+            done.discard(order.popleft())
+        if order:
+            return order[0]
+        return self.next_fetch
+
+
+class _Rec:
+    """A fetched record on its way to the application."""
+
+    __slots__ = ("body", "deadline", "due", "headers", "hops", "id", "key", "n", "offset",
+                 "published_at", "since", "topic", "tp")
+
+    def __init__(self, tp: TopicPartition, offset: int) -> None:
+        self.tp = tp
+        self.offset = offset
+        self.deadline = 0.0
+        self.since = 0.0
+        self.due = 0.0
+        self.hops = 0
+
+
+class _Listener(ConsumerRebalanceListener):
+    """kafka-python 3 calls listeners on its IO thread, where blocking consumer calls are
+    refused: the listener only records the change; the background thread acts on it."""
+
+    def __init__(self, sub: KafkaSubscription) -> None:
+        self.sub = sub
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.sub.revoked(revoked)
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.sub.assigned(assigned)
+
+
+class KafkaSubscription(DriverSubscription):
+    """One consumer of a group. A background thread owns the KafkaConsumer (it is not
+    thread-safe): it polls, commits, expires leases, and releases delayed records."""
+
+    def __init__(self, driver: KafkaDriver, spec: GroupSpec, declared_ms: int) -> None:
+        self.d = driver
+        self.spec = spec
+        self.declared_ms = declared_ms
+        self.retry = driver.retry_topic(spec.name)
+        words = spec.pattern.split(".")
+        self.wildcard = "*" in words or "#" in words
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.ready: deque[_Rec] = deque()
+        self.held: list[tuple[float, int, _Rec]] = []
+        self.leased: dict[int, _Rec] = {}
+        self.parts: dict[TopicPartition, _Part] = {}
+        self.suspended: dict[TopicPartition, tuple[_Part, list[_Rec]]] = {}
+        self.pending: set[TopicPartition] = set()
+        self.new_assignment: set[TopicPartition] | None = None
+        self.tokens = itertools.count(1)
+        self.seq = itertools.count()
+        self.closed = False
+        self.stopping = False
+        self.waiting = 0
+        self.last_receive = time.monotonic()
+        self.paused = False
+        self.assigned_once = threading.Event()
+        self.error: BaseException | None = None
+        opts = driver.opts
+        try:
+            self.consumer = KafkaConsumer(
+                **driver.common,
+                group_id=spec.name,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=opts["session_timeout_ms"],
+                heartbeat_interval_ms=opts["heartbeat_interval_ms"],
+                metadata_max_age_ms=opts["metadata_max_age_ms"],
+                max_poll_records=500,
+                fetch_max_wait_ms=100,
+            )
+            self.regex = re.compile(topic_regex(spec.pattern, driver.prefix))
+            self.listener = _Listener(self)
+            self.topics: set[str] = set()
+            self.next_refresh = 0.0
+            self._refresh_topics()
+        except Exception as exc:
+            raise _native(exc, f"cannot join group {spec.name!r}", driver.url) from exc
+        self.thread = threading.Thread(target=self._run, name=f"mqa-kafka-{spec.name}",
+                                       daemon=True)
+        self.thread.start()
+        # Wait for the first assignment so that consumers subscribed one after another
+        # settle before they receive (fewer rebalances that take in-flight messages away).
+        self.assigned_once.wait(opts["session_timeout_ms"] / 1000 * 2 + 5)
+
+    # -- background thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self.stopping:
+                self._refresh_topics()
+                self._tick()
+                recs = self.consumer.poll(timeout_ms=self._poll_ms(), max_records=500)
+                if recs:
+                    self._ingest(recs)
+                if self.new_assignment is not None:
+                    self._take_assignment()
+        except Exception as exc:
+            log.warning("kafka: consumer of %s stopped: %s", self.spec.name, redact(str(exc)))
+            self.error = exc
+        finally:
+            with contextlib.suppress(Exception):
+                self._commit(sync=True)
+            with contextlib.suppress(Exception):
+                self.consumer.close(autocommit=False)
+            with self.cv:
+                self.cv.notify_all()
+            self.assigned_once.set()
+
+    def _refresh_topics(self) -> None:
+        """Regex subscription, matched here rather than by kafka-python.
+
+        kafka-python 3.0's pattern subscription can hang in ``poll`` while it waits for a
+        metadata refresh (seen against tansu); a topic list that we refresh every
+        ``metadata_max_age_ms`` has no such wait and behaves the same: a topic created
+        later joins the subscription and is read from its first message.
+        """
+        now = time.monotonic()
+        if now < self.next_refresh:
+            return
+        self.next_refresh = now + self.d.opts["metadata_max_age_ms"] / 1000
+        names = {t for t in self.consumer.topics() if self.regex.match(t)}
+        names.add(self.retry)
+        if names != self.topics:
+            self.topics = names
+            self.consumer.subscribe(topics=sorted(names), listener=self.listener)
+
+    def _poll_ms(self) -> int:
+        """Sleep in poll until the next due record, lease end or hand-off check.
+
+        Long polls matter: kafka-python 3.0 abandons a group join whose SyncGroup answer
+        arrives while no poll is waiting, so short polls with work in between make joins
+        repeat (seen against tansu).
+        """
+        now = time.time()
+        wake = now + 0.5
+        with self.lock:
+            if self.held:
+                wake = min(wake, self.held[0][0])
+            for rec in self.leased.values():
+                wake = min(wake, rec.deadline)
+            if self.ready and not self.waiting:
+                wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
+        return int(max(0.005, wake - now) * 1000)
+
+    def _tick(self) -> None:
+        now = time.time()
+        expired: list[_Rec] = []
+        handoff: list[_Rec] = []
+        with self.cv:
+            for token, rec in list(self.leased.items()):
+                if rec.deadline <= now:
+                    del self.leased[token]
+                    expired.append(rec)
+            released = False
+            while self.held and self.held[0][0] <= now:
+                _, _, rec = heapq.heappop(self.held)
+                if rec.tp in self.parts:
+                    rec.since = time.monotonic()
+                    self.ready.append(rec)
+                    released = True
+            if released:
+                self.cv.notify_all()
+            handoff = self._pick_handoff()
+            buffered = len(self.ready) + len(self.held)
+        for rec in expired:  # the lease ran out: redeliver with attempt + 1
+            self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
+        for rec in handoff:
+            self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
+        limit = self.d.opts["max_buffered"]
+        assigned = self.consumer.assignment()
+        if buffered > limit and not self.paused and assigned:
+            self.consumer.pause(*assigned)
+            self.paused = True
+        elif buffered <= limit // 2 and self.paused:
+            self.consumer.resume(*self.consumer.paused())
+            self.paused = False
+        self._commit(sync=False)
+
+    def _pick_handoff(self) -> list[_Rec]:
+        """Ready records nobody here asks for go to another consumer of the group.
+
+        A Kafka partition belongs to one consumer; if that consumer stops receiving (busy,
+        hung), its fetched records would wait. After ``handoff_ms`` without a receive they
+        are re-published to a retry partition owned by another member (back-off doubles
+        per hop, so idle groups do not ping-pong).
+        """
+        if not self.ready or self.waiting or not self._other_retry_partitions():
+            return []
+        now = time.monotonic()
+        base = self.d.opts["handoff_ms"] / 1000
+        if now - self.last_receive < base:
+            return []
+        out = [r for r in self.ready if now - r.since >= base * (2 ** min(r.hops, 6))]
+        if out:
+            ids = {id(r) for r in out}
+            self.ready = deque(r for r in self.ready if id(r) not in ids)
+        return out
+
+    def _other_retry_partitions(self) -> list[int]:
+        parts = self.d.producer.partitions_for(self.retry) or set()
+        mine = {tp.partition for tp in self.parts if tp.topic == self.retry}
+        return sorted(set(parts) - mine)
+
+    def _ingest(self, batches: Mapping[TopicPartition, list[Any]]) -> None:
+        now = time.time()
+        mono = time.monotonic()
+        added = False
+        with self.cv:
+            for tp, records in batches.items():
+                part = self.parts.get(tp)
+                if part is None or tp in self.pending:
+                    continue  # a pending partition is positioned, then fetched again
+                retry = tp.topic == self.retry
+                for r in records:
+                    part.fetched(r.offset)
+                    rec = self._decode(tp, r, retry)
+                    if rec is None:
+                        part.done.add(r.offset)
+                        continue
+                    if r.offset < part.mark:
+                        rec.n += 1  # handed out before by a consumer that died unsettled
+                    if rec.due > now:
+                        heapq.heappush(self.held, (rec.due, next(self.seq), rec))
+                    else:
+                        rec.since = mono
+                        self.ready.append(rec)
+                        added = True
+            if added:
+                self.cv.notify_all()
+
+    def _decode(self, tp: TopicPartition, r: Any, retry: bool) -> _Rec | None:
+        headers = _hdr(r.headers) if r.headers else {}
+        meta = {k: headers.pop(k) for k in [k for k in headers if k.startswith("mq-")]}
+        if retry:
+            topic = meta.get(H_TOPIC, "")
+        else:
+            if r.timestamp < self.declared_ms:
+                # Published before the group existed. Also what makes a too-low start
+                # offset harmless (tansu's end offsets after batched produce).
+                return None
+            if tp.topic.startswith(HASHED):
+                topic = meta.get(H_TOPIC, "")
+                if not topic or not topic_matches(self.spec.pattern, topic):
+                    return None
+            else:
+                topic = _unescape(tp.topic[len(self.d.prefix):])
+        rec = _Rec(tp, r.offset)
+        rec.topic = topic
+        rec.body = r.value if r.value is not None else b""
+        rec.headers = headers
+        rec.key = (meta.get(H_KEY) if retry else
+                   r.key.decode("utf-8", "replace") if r.key is not None else None)
+        if retry and rec.key is None and r.key is not None:
+            rec.key = r.key.decode("utf-8", "replace")
+        rec.id = meta.get(H_ID) or f"{tp.topic}-{tp.partition}-{r.offset}"
+        try:
+            rec.published_at = float(meta[H_TS]) if H_TS in meta else r.timestamp / 1000
+            rec.n = int(meta.get(H_N, "0"))
+            rec.due = float(meta[H_DUE]) if H_DUE in meta else 0.0
+            rec.hops = int(meta.get(H_HOPS, "0"))
+        except ValueError:
+            rec.published_at, rec.n, rec.due = r.timestamp / 1000, 0, 0.0
+        return rec
+
+    def _commit(self, sync: bool) -> None:
+        offsets = self._commit_offsets(None)
+        if not offsets:
+            return
+        if sync:
+            self.consumer.commit(offsets)
+        else:
+            self.consumer.commit_async(offsets)
+
+    def _commit_offsets(
+        self, only: Collection[TopicPartition] | None
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+        with self.lock:
+            for tp, part in self.parts.items():
+                if only is not None and tp not in only:
+                    continue
+                point = part.commit_point()
+                if point is not None and point != part.committed:
+                    offsets[tp] = OffsetAndMetadata(point, "", -1)
+                    part.committed = point
+        return offsets
+
+    # -- rebalance --------------------------------------------------------------------------
+    # kafka-python 3 runs rebalance listeners on its IO thread, where blocking consumer
+    # calls are refused: commits and offset fetches here use the coordinator's coroutines,
+    # and the rest (start offsets by time, delivery marks) is done by the background thread
+    # while the new partitions stay paused.
+    def revoked(self, revoked: Any) -> None:
+        offsets = self._commit_offsets(set(revoked))
+        if offsets:
+            try:  # non-blocking: sent before the JoinGroup that follows
+                self.consumer.commit_async(offsets)
+            except Exception as exc:  # the next owner re-delivers: at least once
+                log.info("kafka: commit on revoke of %s failed: %s", self.spec.name, exc)
+        with self.cv:
+            for tp in revoked:
+                part = self.parts.pop(tp, None)
+                if part is None:
+                    continue
+                stash = [r for r in self.ready if r.tp == tp]
+                stash += [r for _, _, r in self.held if r.tp == tp]
+                part.revoked_at = part.committed
+                self.suspended[tp] = (part, stash)
+            gone = set(revoked)
+            self.ready = deque(r for r in self.ready if r.tp not in gone)
+            self.held = [h for h in self.held if h[2].tp not in gone]
+            heapq.heapify(self.held)
+
+    def assigned(self, assigned: Any) -> None:
+        # Only bookkeeping here: positions are set by the background thread.
+        assigned = set(assigned)
+        if assigned:
+            self.consumer.pause(*assigned)
+        with self.lock:
+            self.new_assignment = assigned
+
+    def _take_assignment(self) -> None:
+        with self.lock:
+            assigned, self.new_assignment = self.new_assignment, None
+        if assigned is None:
+            return
+        committed = {tp: self.consumer.committed(tp) for tp in assigned}
+        self._assign(assigned, committed)
+        self._start_pending()
+        self.assigned_once.set()
+
+    def _assign(self, assigned: set[TopicPartition],
+                committed: Mapping[TopicPartition, int | None]) -> None:
+        fresh: dict[TopicPartition, _Part] = {}
+        keep: dict[TopicPartition, tuple[_Part, list[_Rec]]] = {}
+        for tp in assigned:
+            offset = committed.get(tp)
+            old = self.suspended.pop(tp, None)
+            if old is not None and old[0].revoked_at == offset and old[0].next_fetch:
+                # Came back to us and nobody committed meanwhile: keep our in-flight state.
+                keep[tp] = old
+                self.consumer.seek(tp, old[0].next_fetch)
+                continue
+            fresh[tp] = _Part(offset, 0)
+        with self.cv:
+            # Partitions that went elsewhere: their leases are stale now.
+            dropped = set(self.suspended)
+            self.suspended.clear()
+            for token, rec in list(self.leased.items()):
+                if rec.tp in dropped or rec.tp in fresh:
+                    del self.leased[token]
+            self.parts.update(fresh)
+            self.pending.update(fresh)
+            now = time.time()
+            for tp, (part, stash) in keep.items():
+                self.parts[tp] = part
+                for rec in stash:
+                    if rec.due > now:
+                        heapq.heappush(self.held, (rec.due, next(self.seq), rec))
+                    else:
+                        self.ready.append(rec)
+            self.cv.notify_all()
+        if keep and not self.paused:
+            self.consumer.resume(*keep)
+
+    def _start_pending(self) -> None:
+        """Position newly assigned partitions (background thread), then resume them."""
+        with self.lock:
+            pending = [tp for tp in self.pending if tp in self.parts]
+            self.pending.clear()
+        if not pending:
+            return
+        marks = self.d.read_marks(self.spec.name)
+        for tp in pending:
+            with self.lock:
+                part = self.parts.get(tp)
+                if part is None:
+                    continue
+                part.mark = marks.get(tp, 0)
+                offset = part.committed
+            if offset is None:
+                self._seek_start(tp)
+            else:
+                self.consumer.seek(tp, offset)
+        if not self.paused:
+            self.consumer.resume(*pending)
+
+    def _seek_start(self, tp: TopicPartition) -> None:
+        """Where a group starts on a partition it never committed: its declaration time.
+
+        Retry topics belong to the group: from the beginning. Other topics: the first
+        record at or after the declaration (``offsets_for_times``, correct on Apache
+        Kafka). When there is none, the end; tansu may report an end that is too low after
+        a batched produce, and answers ``offsets_for_times`` with offset 0 / timestamp -1
+        instead of no offset: both only make us read older records, which ``_decode``
+        drops by timestamp, so the result is right on both brokers.
+        """
+        if tp.topic == self.retry:
+            self.consumer.seek_to_beginning(tp)
+            return
+        found = self.consumer.offsets_for_times({tp: self.declared_ms}).get(tp)
+        if found is not None and found.timestamp != _TANSU_NO_TS:
+            self.consumer.seek(tp, found.offset)
+        else:
+            self.consumer.seek_to_end(tp)
+
+    # -- application side ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise Closed(f"subscription to group {self.spec.name!r} is closed")
+        if self.error is not None:
+            raise _native(self.error, f"consumer of {self.spec.name!r} failed", self.d.url)
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        deadline = time.monotonic() + timeout
+        out: list[Delivery] = []
+        marks: dict[TopicPartition, int] = {}
+        with self.cv:
+            self._check_open()
+            self.waiting += 1
+            try:
+                while not self.ready:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self.closed or self.error is not None:
+                        break
+                    self.cv.wait(left)
+                now = time.time()
+                lease_until = now + self.spec.lease
+                while self.ready and len(out) < max_messages:
+                    rec = self.ready.popleft()
+                    part = self.parts.get(rec.tp)
+                    if part is None:
+                        continue
+                    token = next(self.tokens)
+                    rec.deadline = lease_until
+                    self.leased[token] = rec
+                    if rec.offset + 1 > part.mark:
+                        part.mark = rec.offset + 1
+                        marks[rec.tp] = part.mark
+                    out.append(Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0,
+                                        rec.n + 1, rec.published_at, token))
+            finally:
+                self.waiting -= 1
+                self.last_receive = time.monotonic()
+        if marks:
+            self.d.commit_marks(self.spec.name, marks)
+        return out
+
+    def _settle(self, token: Any) -> _Rec | None:
+        with self.lock:
+            return self.leased.pop(token, None)
+
+    def _done(self, rec: _Rec) -> None:
+        with self.lock:
+            part = self.parts.get(rec.tp)
+            if part is None:
+                part = self.suspended.get(rec.tp, (None, None))[0]
+            if part is not None:
+                part.done.add(rec.offset)
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        with self.lock:
+            for token in receipts:
+                rec = self.leased.pop(token, None)
+                if rec is None:
+                    continue  # stale: the lease expired or the partition moved
+                part = self.parts.get(rec.tp) or self.suspended.get(rec.tp, (None, None))[0]
+                if part is not None:
+                    part.done.add(rec.offset)
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        rec = self._settle(receipt)
+        if rec is not None:
+            self._requeue(rec, rec.n + 1, delay)
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        with self.lock:
+            rec = self.leased.get(receipt)
+            if rec is not None:
+                rec.deadline = time.time() + seconds
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        rec = self._settle(receipt)
+        if rec is None:
+            return
+        headers = [(k, v.encode()) for k, v in rec.headers.items()]
+        headers += [
+            (H_ID, rec.id.encode()),
+            (H_TS, repr(rec.published_at).encode()),
+            (H_TOPIC, rec.topic.encode()),
+            (H_N, str(attempts).encode()),
+            (H_REASON, reason.encode()),
+            (H_DEAD_AT, repr(time.time()).encode()),
+        ]
+        if rec.key is not None:
+            headers.append((H_KEY, rec.key.encode()))
+        topic = self.d.dead_topic(self.spec.name)
+        self.d.send_one(topic, rec.body, uuid.uuid4().hex.encode(), headers)
+        self._done(rec)
+
+    def _requeue(self, rec: _Rec, n: int, delay: float, avoid_self: bool = False,
+                 hop: bool = False) -> None:
+        """Write the record to the group's retry topic, then mark the original done."""
+        headers = [(k, v.encode()) for k, v in rec.headers.items()]
+        headers += [
+            (H_ID, rec.id.encode()),
+            (H_TS, repr(rec.published_at).encode()),
+            (H_TOPIC, rec.topic.encode()),
+            (H_N, str(n).encode()),
+            (H_HOPS, str(rec.hops + 1 if hop else 0).encode()),
+        ]
+        due = time.time() + delay if delay > 0 else rec.due
+        if due > time.time():
+            headers.append((H_DUE, repr(due).encode()))
+        if rec.key is not None:
+            headers.append((H_KEY, rec.key.encode()))
+        partition = None
+        if avoid_self:
+            others = self._other_retry_partitions()
+            if others:
+                partition = random.choice(others)
+        try:
+            self.d.send_one(self.retry, rec.body,
+                            rec.key.encode() if rec.key is not None else None,
+                            headers, partition)
+        except MQError:
+            log.warning("kafka: could not requeue %s; it will be redelivered from its "
+                        "partition instead", rec.id)
+            raise
+        self._done(rec)
+
+    def close(self) -> None:
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            self.cv.notify_all()
+        self.stopping = True
+        if self.thread is not threading.current_thread():
+            self.thread.join(30)
