@@ -20,6 +20,8 @@ import decimal
 import json
 import logging
 import os
+import queue
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -308,42 +310,58 @@ class SinkCommit(WriterCommitMessage):
 def _publish_partition(
     plan: _Plan, batches: Iterator[pa.RecordBatch], job: str, batch_id: int
 ) -> SinkCommit:
-    """Publish a task's rows in ``batch_size`` chunks; return after the last is confirmed."""
+    """Publish a task's rows in ``batch_size`` chunks; return after the last is confirmed.
+
+    A sender thread owns the connection and publishes chunk N while this thread converts
+    chunk N+1, so broker round trips overlap with Arrow → message conversion. At most two
+    chunks wait in between, which bounds memory.
+    """
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
     partition = ctx.partitionId() if ctx else 0
     attempt = ctx.attemptNumber() if ctx else 0
     prefix = f"{job}.{batch_id}.{partition}."
+    chunks: queue.Queue[list[OutgoingMessage] | None] = queue.Queue(maxsize=2)
+    failures: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            with mqabstract.connect(plan.url) as broker:
+                while (chunk := chunks.get()) is not None:
+                    try:
+                        broker.publish_batch(chunk)
+                    except ValidationError as exc:  # name the row, not the chunk index
+                        where = f"row {chunk[exc.index].id}: " if exc.index is not None else ""
+                        raise type(exc)(f"mqabstract sink: {where}{exc}") from exc
+        except BaseException as exc:
+            failures.append(exc)
+            while chunks.get() is not None:  # unblock the converting thread
+                pass
+
+    sender = threading.Thread(target=send, name=f"mqabstract-sink-{partition}", daemon=True)
+    sender.start()
     row = 0
-    first: str | None = None
-    last: str | None = None
     pending: list[OutgoingMessage] = []
-    broker = mqabstract.connect(plan.url)
     try:
-
-        def flush(chunk: list[OutgoingMessage]) -> None:
-            try:
-                broker.publish_batch(chunk)
-            except ValidationError as exc:  # name the row, not the index in our chunk
-                where = f"row {chunk[exc.index].id}: " if exc.index is not None else ""
-                raise type(exc)(f"mqabstract sink: {where}{exc}") from exc
-
         for rb in batches:
+            if failures:
+                break
             if rb.num_rows == 0:
                 continue
-            base = row
-            pending.extend(plan.messages(rb, prefix, base))
+            pending.extend(plan.messages(rb, prefix, row))
             row += rb.num_rows
             while len(pending) >= plan.batch_size:
-                chunk, pending = pending[: plan.batch_size], pending[plan.batch_size :]
-                flush(chunk)
-        if pending:
-            flush(pending)
+                chunks.put(pending[: plan.batch_size])
+                pending = pending[plan.batch_size :]
+        if pending and not failures:
+            chunks.put(pending)
     finally:
-        broker.close()
-    if row:
-        first, last = prefix + "0", prefix + str(row - 1)
+        chunks.put(None)
+        sender.join()
+    if failures:
+        raise failures[0]
+    first, last = (prefix + "0", prefix + str(row - 1)) if row else (None, None)
     return SinkCommit(partition, attempt, row, first, last)
 
 
