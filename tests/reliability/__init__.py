@@ -1,0 +1,1 @@
+"""Reliability suite: fault injection, differential testing and bad-input sweeps."""

@@ -1,0 +1,72 @@
+"""Backend parametrization and reporting for the reliability suite.
+
+Tests take the ``backend`` fixture (an alias: memory, sqlite, rabbitmq, kafka, sqs) and
+``rel_url`` (its URL, resolved like the conformance suite's aliases: ``tests/brokers.py``
+finds the shared brokers; in CI a missing broker fails, never skips). The backends come from
+``--mq-url`` when the conformance plugin is loaded with aliases, else from
+``MQ_RELIABILITY_BACKENDS`` (comma-separated), else all five.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .support import Reporter
+
+ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "sqs")
+BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
+
+
+def _selected(config: pytest.Config) -> list[str]:
+    from_option = [u for u in (getattr(config.option, "mq_url", None) or []) if u in ALIASES]
+    if from_option:
+        return from_option
+    env = os.environ.get("MQ_RELIABILITY_BACKENDS", "").strip()
+    if env:
+        chosen = [b.strip() for b in env.split(",") if b.strip()]
+        unknown = sorted(set(chosen) - set(ALIASES))
+        if unknown:
+            raise pytest.UsageError(f"MQ_RELIABILITY_BACKENDS: unknown {unknown}; use {ALIASES}")
+        return chosen
+    return list(ALIASES)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" not in metafunc.fixturenames:
+        return
+    wanted = _selected(metafunc.config)
+    marker = metafunc.definition.get_closest_marker("backends")
+    if marker is not None:  # the scenario is meaningful only on these
+        wanted = [b for b in wanted if b in marker.args]
+    metafunc.parametrize("backend", wanted, scope="session")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "backends(*names): run this reliability test only on these backends"
+    )
+
+
+@pytest.fixture(scope="session")
+def rel_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """URL of the shared broker (or a fresh file / hub) for ``backend``."""
+    if backend == "memory":
+        return "memory://reliability"
+    if backend == "sqlite":
+        path = Path(tmp_path_factory.mktemp("rel-sqlite")) / "reliability.db"
+        return f"sqlite:///{path}"
+    from tests.brokers import resolve_url
+
+    return resolve_url(backend)
+
+
+@pytest.fixture(scope="session")
+def reporter() -> Iterator[Reporter]:
+    """Collects per-test counts; appends them as JSON lines to ``$MQ_RELIABILITY_REPORT``."""
+    rep = Reporter(os.environ.get("MQ_RELIABILITY_REPORT"))
+    yield rep
+    rep.close()

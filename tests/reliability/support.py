@@ -1,0 +1,295 @@
+"""Bookkeeping shared by the reliability tests: names, a delivery ledger, worker processes
+and the JSON-lines report behind ``docs/reliability.md``."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import mqabstract
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+REPO = Path(__file__).resolve().parents[2]
+
+#: Lease used by fault tests: whole seconds (SQS granularity), short so redelivery is quick.
+LEASE = 2.0
+
+
+def token(prefix: str = "r") -> str:
+    """A short unique word for topic and group names (tests share brokers)."""
+    return prefix + secrets.token_hex(4)
+
+
+def digest(body: bytes) -> str:
+    """Short fingerprint of a body: a duplicate must carry the same bytes as the original."""
+    return hashlib.blake2b(body, digest_size=8).hexdigest()
+
+
+def body_for(mid: str, size: int = 64) -> bytes:
+    """A body derived from the id, so a redelivery with other bytes is detectable."""
+    seed = hashlib.sha256(mid.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+class Reporter:
+    """Appends one JSON object per finished scenario to a file (if a path was given)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def emit(self, **row: Any) -> None:
+        row.setdefault("ts", round(time.time(), 1))
+        with self._lock:
+            self.rows.append(row)
+            if self.path:
+                with open(self.path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(row, sort_keys=True) + "\n")
+        print("RELIABILITY", json.dumps(row, sort_keys=True))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Ledger:
+    """What was published, delivered, acked and dead-lettered in one scenario.
+
+    ``expected`` maps every id whose publish returned (confirmed) to its body digest;
+    ``maybe`` holds ids whose publish was in flight when the publisher died.
+    """
+
+    expected: dict[str, str] = field(default_factory=dict)
+    maybe: dict[str, str] = field(default_factory=dict)
+    deliveries: list[tuple[str, int, str]] = field(default_factory=list)
+    acked: set[str] = field(default_factory=set)
+    acking: set[str] = field(default_factory=set)
+    dead: dict[str, int] = field(default_factory=dict)
+    order: list[tuple[str, str]] = field(default_factory=list)  #: ("D"|"A", id) in time order
+
+    def confirm(self, mid: str, body: bytes) -> None:
+        self.expected[mid] = digest(body)
+
+    def deliver(self, mid: str, attempt: int, body_digest: str) -> None:
+        self.deliveries.append((mid, attempt, body_digest))
+        self.order.append(("D", mid))
+
+    def ack(self, mid: str) -> None:
+        self.acked.add(mid)
+        self.order.append(("A", mid))
+
+    # -- analysis ---------------------------------------------------------------------
+    def duplicates(self) -> int:
+        """Deliveries beyond the first of each id (redeliveries of any cause)."""
+        return len(self.deliveries) - len({m for m, _, _ in self.deliveries})
+
+    def after_ack(self) -> int:
+        """Deliveries of an id after an ack of it had returned (allowed: at-least-once)."""
+        acked: set[str] = set()
+        count = 0
+        for kind, mid in self.order:
+            if kind == "A":
+                acked.add(mid)
+            elif mid in acked:
+                count += 1
+        return count
+
+    def problems(self) -> list[str]:
+        """Every broken invariant, as readable lines (empty when all hold)."""
+        out: list[str] = []
+        known = {**self.maybe, **self.expected}
+        finished = self.acked | set(self.dead)
+        lost = sorted(set(self.expected) - finished)
+        if lost:
+            out.append(f"{len(lost)} confirmed messages neither acked nor dead-lettered: "
+                       f"{lost[:5]}")
+        strangers = sorted({m for m, _, _ in self.deliveries} - set(known))
+        if strangers:
+            out.append(f"delivered ids never published: {strangers[:5]}")
+        wrong = sorted({m for m, _, d in self.deliveries if m in known and d != known[m]})
+        if wrong:
+            out.append(f"ids delivered with other bytes than published: {wrong[:5]}")
+        undelivered_acks = sorted(self.acked - {m for m, _, _ in self.deliveries})
+        if undelivered_acks:
+            out.append(f"acked ids that were never delivered: {undelivered_acks[:5]}")
+        per_id: dict[str, list[int]] = defaultdict(list)
+        for mid, attempt, _ in self.deliveries:
+            per_id[mid].append(attempt)
+        bad_attempts = {m: a for m, a in per_id.items()
+                        if a[0] < 1 or any(y <= x for x, y in itertools.pairwise(a))}
+        if bad_attempts:
+            sample = dict(list(bad_attempts.items())[:3])
+            out.append(f"attempts not strictly increasing per id: {sample}")
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        finished = self.acked | set(self.dead)
+        return {
+            "confirmed": len(self.expected),
+            "in_flight": len(self.maybe),
+            "delivered": len(self.deliveries),
+            "unique": len({m for m, _, _ in self.deliveries}),
+            "duplicates": self.duplicates(),
+            "redelivered_after_ack": self.after_ack(),
+            "acked": len(self.acked),
+            "dead_lettered": len(self.dead),
+            "lost": len(set(self.expected) - finished),
+        }
+
+
+# -- worker processes ------------------------------------------------------------------
+class Worker:
+    """A ``worker.py`` subprocess whose flushed stdout lines are read on a thread."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,),
+                                        daemon=True)
+        self._reader.start()
+        self._err: list[str] = []
+        self._err_reader = threading.Thread(target=self._drain_err, args=(self.proc.stderr,),
+                                            daemon=True)
+        self._err_reader.start()
+
+    def _read(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _drain_err(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            self._err.append(line)
+            del self._err[:-200]
+
+    def wait_for(self, prefix: str, count: int = 1, timeout: float = 60.0) -> bool:
+        """Block until ``count`` lines start with ``prefix`` (or the process ended)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if sum(1 for ln in self.lines if ln.startswith(prefix)) >= count:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    return False
+                self._cond.wait(min(left, 0.2))
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup of any kind in the child), then reap it."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.finish(30)
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the process to exit and its output to be read; return the exit code."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait(30)
+        self._reader.join(10)
+        self._err_reader.join(10)
+        return code
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err)[-3000:]
+
+    def events(self) -> list[list[str]]:
+        with self._cond:
+            return [ln.split() for ln in self.lines]
+
+
+def feed(ledger: Ledger, worker: Worker) -> None:
+    """Add a consumer worker's RECV / ACKED lines to the ledger (after it exited)."""
+    for ev in worker.events():
+        if ev[0] == "RECV":
+            ledger.deliver(ev[1], int(ev[2]), ev[3])
+        elif ev[0] == "ACKED":
+            ledger.ack(ev[1])
+        elif ev[0] == "ACKING":
+            ledger.acking.add(ev[1])
+
+
+def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: float,
+          want: set[str] | None = None) -> None:
+    """Receive and ack until ``want`` is finished and nothing came for ``quiet`` seconds."""
+    deadline = time.monotonic() + limit
+    last = time.monotonic()
+    while time.monotonic() < deadline:
+        done = want is None or want <= ledger.acked | set(ledger.dead)
+        if done and time.monotonic() - last >= quiet:
+            return
+        for msg in sub.receive(100, 0.5):
+            last = time.monotonic()
+            ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+            msg.ack()
+            ledger.ack(msg.id)
+
+
+def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger) -> None:
+    """Record the group's dead letters (id → attempts) in the ledger."""
+    if not broker.capabilities.supports(mqabstract.Feature.DEAD_LETTER):
+        return
+    for dl in broker.dead_letters(group, limit=1000):
+        ledger.dead[dl.id] = dl.attempts
+
+
+def spare_port(start: int, also: tuple[int, ...] = ()) -> int:
+    """First port from ``start`` that is free on loopback (with ``port + a`` for each a)."""
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    for port in range(start, start + 100):
+        if free(port) and all(free(port + a) for a in also):
+            return port
+    raise RuntimeError(f"no free loopback port near {start}")
+
+
+def seed_for(name: str) -> int:
+    """Seed of a scenario's randomness: ``$MQ_RELIABILITY_SEED`` or fresh (reported)."""
+    env = os.environ.get("MQ_RELIABILITY_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(4), "big")
+
+
+def cleanup(broker: mqabstract.Broker, *groups: str) -> None:
+    """Best-effort removal of a scenario's groups (shared brokers stay shallow)."""
+    for group in groups:
+        with contextlib.suppress(Exception):  # cleanup must not mask the test's result
+            broker.delete_group(group)

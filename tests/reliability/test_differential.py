@@ -1,0 +1,236 @@
+"""Differential testing: one generated operation sequence, run on the memory reference and
+on the backend under test, with the contract's invariants checked on both histories.
+
+Operations: publish (a small batch, keys from a tiny set), receive, ack / nack(delay) /
+extend of a held message, lease expiry (wait out the lease), consumer crash (abandon the
+subscription without closing it). Afterwards a fresh consumer drains the group.
+
+Invariants, on every backend: every published id ends acked or dead-lettered (no loss);
+every one was delivered at least once; a redelivery carries the same bytes; attempts grow
+per id and never exceed ``max_attempts``; dead letters carry ``max_attempts`` attempts; in
+``ordered`` groups each key's messages are first delivered in publish order and never while
+an earlier one of the key is leased to us. Histories must agree where the contract fixes
+them: the set of ids finally acked or dead-lettered equals the published set on both. Which
+message a receive returns may differ (batch sizes, interleaving of keys), so per-operation
+histories are not compared.
+
+Real brokers wait in real time for leases, so examples are few and short; with ``CI`` set
+Hypothesis is derandomized (same examples every run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mqabstract
+from tests.brokers import in_ci
+
+from .support import Reporter, body_for, cleanup, digest, token
+
+LEASE = 2.0
+MAX_ATTEMPTS = 3
+#: Examples per backend: each real-broker example costs seconds of real waiting.
+EXAMPLES = {"memory": 12, "sqlite": 6, "rabbitmq": 3, "kafka": 3, "sqs": 3}
+RECEIVE_WAIT = {"memory": 0.2, "sqlite": 0.3, "rabbitmq": 0.8, "kafka": 1.5, "sqs": 1.0}
+
+Op = tuple[Any, ...]
+
+_publish = st.tuples(st.just("publish"),
+                     st.lists(st.sampled_from(["k0", "k1", None]), min_size=1, max_size=3))
+_receive = st.tuples(st.just("receive"), st.integers(1, 4))
+_settle = st.tuples(st.sampled_from(["ack", "ack", "nack", "extend"]), st.integers(0, 7),
+                    st.sampled_from([0.0, 0.0, 1.0]))
+_rare = st.sampled_from([("expire",), ("crash",)])
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[bool, list[Op]]:
+    """(ordered, ops): a publish first, at most one expiry and one crash."""
+    ordered = draw(st.booleans())
+    ops: list[Op] = [draw(_publish)]
+    ops += draw(st.lists(st.one_of(_publish, _receive, _receive, _settle), max_size=8))
+    if draw(st.booleans()):
+        ops.insert(draw(st.integers(1, len(ops))), draw(_rare))
+    return ordered, ops
+
+
+@dataclass
+class History:
+    """What one run observed."""
+
+    published: list[tuple[str, str | None]] = field(default_factory=list)
+    deliveries: list[tuple[str, int, str]] = field(default_factory=list)
+    acked: set[str] = field(default_factory=set)
+    dead: dict[str, int] = field(default_factory=dict)
+    order_violations: list[str] = field(default_factory=list)
+
+    def problems(self, ordered: bool) -> list[str]:
+        out: list[str] = []
+        ids = [m for m, _ in self.published]
+        finished = self.acked | set(self.dead)
+        if set(ids) - finished:
+            out.append(f"lost (neither acked nor dead): {sorted(set(ids) - finished)}")
+        delivered = {m for m, _, _ in self.deliveries}
+        if set(ids) - delivered:
+            out.append(f"never delivered: {sorted(set(ids) - delivered)}")
+        if delivered - set(ids):
+            out.append(f"delivered but never published: {sorted(delivered - set(ids))}")
+        wrong = {m for m, _, d in self.deliveries if d != digest(body_for(m))}
+        if wrong:
+            out.append(f"bytes changed on delivery: {sorted(wrong)}")
+        per_id: dict[str, list[int]] = defaultdict(list)
+        for mid, attempt, _ in self.deliveries:
+            per_id[mid].append(attempt)
+        for mid, attempts in per_id.items():
+            if attempts[0] < 1 or any(b <= a for a, b in itertools.pairwise(attempts)):
+                out.append(f"attempts of {mid} not increasing: {attempts}")
+            if max(attempts) > MAX_ATTEMPTS:
+                out.append(f"{mid} delivered with attempt {max(attempts)} > {MAX_ATTEMPTS}")
+        for mid, attempts in self.dead.items():
+            if attempts != MAX_ATTEMPTS:
+                out.append(f"{mid} dead-lettered after {attempts} attempts, not {MAX_ATTEMPTS}")
+        if set(self.dead) & self.acked:
+            out.append(f"both acked and dead: {sorted(set(self.dead) & self.acked)}")
+        if ordered:
+            out += self.order_violations
+            keyed: dict[str, list[str]] = defaultdict(list)
+            for mid, key in self.published:
+                if key is not None:
+                    keyed[key].append(mid)
+            first: list[str] = []
+            for mid, _, _ in self.deliveries:
+                if mid not in first:
+                    first.append(mid)
+            for key, mids in keyed.items():
+                got = [m for m in first if m in mids]
+                if got != mids[: len(got)]:
+                    out.append(f"key {key}: first deliveries {got}, published {mids}")
+        return out
+
+
+def run(url: str, ordered: bool, ops: list[Op], wait: float) -> History:
+    """Apply ``ops`` to a fresh group at ``url``, drain it, and return what happened."""
+    tok = token("d")
+    topic, pattern, group = f"rel.{tok}.t", f"rel.{tok}.#", f"rel-{tok}"
+    hist = History()
+    counter = itertools.count()
+    with mqabstract.connect(url) as mq:
+        try:
+            def subscribe() -> mqabstract.Subscription:
+                return mq.subscribe(group, pattern, lease=LEASE, max_attempts=MAX_ATTEMPTS,
+                                    ordered=ordered)
+
+            sub = subscribe()
+            abandoned: list[mqabstract.Subscription] = []
+            held: list[tuple[mqabstract.Message, float]] = []  # (message, lease ends)
+
+            def take(msgs: list[mqabstract.Message]) -> None:
+                now = time.monotonic()
+                live = {m.key: m.id for m, until in held if until > now + 0.3 and m.key}
+                for msg in msgs:
+                    if ordered and msg.key in live and live[msg.key] != msg.id:
+                        hist.order_violations.append(
+                            f"{msg.id} (key {msg.key}) delivered while {live[msg.key]} "
+                            "of the same key was leased")
+                    hist.deliveries.append((msg.id, msg.attempt, digest(msg.body)))
+                    held.append((msg, now + LEASE))
+
+            for op in ops:
+                if op[0] == "publish":
+                    batch = []
+                    for key in op[1]:
+                        mid = f"{tok}-{next(counter)}"
+                        batch.append(mqabstract.OutgoingMessage(topic, body_for(mid), id=mid,
+                                                                key=key))
+                        hist.published.append((mid, key))
+                    mq.publish_batch(batch)
+                elif op[0] == "receive":
+                    take(sub.receive(op[1], wait))
+                elif op[0] in ("ack", "nack", "extend"):
+                    # Only touch live leases: settling an expired receipt is allowed to do
+                    # nothing, and the drain below settles whatever is left.
+                    soon = time.monotonic() + 0.5
+                    held[:] = [(m, until) for m, until in held if until > soon]
+                    if not held:
+                        continue
+                    msg, until = held[op[1] % len(held)]
+                    if op[0] == "ack":
+                        msg.ack()
+                        hist.acked.add(msg.id)
+                        held.remove((msg, until))
+                    elif op[0] == "nack":
+                        msg.nack(op[2])
+                        held.remove((msg, until))
+                    else:
+                        msg.extend(LEASE)
+                        held[held.index((msg, until))] = (msg, time.monotonic() + LEASE)
+                elif op[0] == "expire":
+                    time.sleep(LEASE + 0.5)
+                    held.clear()
+                elif op[0] == "crash":
+                    abandoned.append(sub)  # never closed: its leases must run out
+                    held.clear()
+                    sub = subscribe()
+            now = time.monotonic()
+            for msg, until in held:  # leave the rest to the drain, attempt + 1
+                if until > now + 0.5:
+                    msg.nack()
+            held.clear()
+            want = {m for m, _ in hist.published}
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                for dl in mq.dead_letters(group, limit=1000):
+                    hist.dead[dl.id] = dl.attempts
+                if want <= hist.acked | set(hist.dead):
+                    break
+                msgs = sub.receive(10, wait)
+                take(msgs)
+                for msg in msgs:
+                    msg.ack()
+                    hist.acked.add(msg.id)
+                held.clear()
+            # nothing may come back after everything was settled
+            extra = sub.receive(10, wait)
+            take(extra)
+            for msg in extra:
+                msg.ack()
+            for s in abandoned:
+                s.close()
+        finally:
+            cleanup(mq, group)
+    return hist
+
+
+def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
+    """Generated operation sequences: invariants hold on memory and on ``backend``, and the
+    finally-settled id sets agree."""
+    stats = {"examples": 0, "messages": 0, "deliveries": 0, "dead": 0}
+    wait = RECEIVE_WAIT[backend]
+
+    @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=in_ci(),
+              database=None, suppress_health_check=list(HealthCheck))
+    @given(scenarios())
+    def check(scenario: tuple[bool, list[Op]]) -> None:
+        ordered, ops = scenario
+        ref = run("memory://differential", ordered, ops, RECEIVE_WAIT["memory"])
+        assert not ref.problems(ordered), ("memory reference", ops, ref.problems(ordered))
+        got = ref if backend == "memory" else run(rel_url, ordered, ops, wait)
+        problems = got.problems(ordered)
+        assert not problems, (backend, ops, problems)
+        settled_ref = sorted(int(m.rsplit("-", 1)[1]) for m in ref.acked | set(ref.dead))
+        settled_got = sorted(int(m.rsplit("-", 1)[1]) for m in got.acked | set(got.dead))
+        assert settled_ref == settled_got, (ops, settled_ref, settled_got)
+        stats["examples"] += 1
+        stats["messages"] += len(got.published)
+        stats["deliveries"] += len(got.deliveries)
+        stats["dead"] += len(got.dead)
+
+    check()
+    reporter.emit(scenario="differential (Hypothesis)", backend=backend, lost=0, **stats)

@@ -1,0 +1,282 @@
+"""Fault injection: killed consumers and publishers, abandoned leases, poison messages.
+
+Every scenario keeps a :class:`Ledger` and asserts the same things: each publish that
+returned is finally acked or dead-lettered, nothing is delivered that was never published,
+a redelivery carries the same id and the same bytes, and attempts grow per id. Duplicates
+are allowed (at-least-once) and counted in the report.
+
+Process kills apply to backends shared between processes; the in-process memory hub gets
+the "abandoned consumer" variant (a consumer that stops without settling or closing).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+import mqabstract
+from mqabstract import Backoff, Feature
+
+from .support import (
+    LEASE,
+    Ledger,
+    Reporter,
+    Worker,
+    body_for,
+    cleanup,
+    collect_dead,
+    digest,
+    drain,
+    feed,
+    seed_for,
+    token,
+)
+
+PROCESS_BACKENDS = ("sqlite", "rabbitmq", "kafka", "sqs")
+
+#: Seconds of silence after which a backend has nothing more to deliver: leases of killed
+#: consumers (LEASE) must run out first, and Kafka must also rebalance a dead member away
+#: (session timeout 3 s + a join).
+QUIET = {"memory": 0.5, "sqlite": 1.0, "rabbitmq": 1.5, "sqs": 2.5, "kafka": 4.0}
+
+
+def _check(ledger: Ledger, reporter: Reporter, **row: object) -> None:
+    summary = ledger.summary()
+    problems = ledger.problems()
+    reporter.emit(**row, **summary, problems=len(problems))
+    assert not problems, "\n".join(problems)
+
+
+# -- consumers killed at random points ---------------------------------------------------
+@pytest.mark.backends(*PROCESS_BACKENDS)
+def test_consumer_sigkill(backend: str, rel_url: str, reporter: Reporter) -> None:
+    """Consumers SIGKILLed after receive, just before ack, right after ack and at a random
+    moment; the survivors must finish every message."""
+    seed = seed_for("consumer_sigkill")
+    rng = random.Random(seed)
+    tok = token()
+    topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
+    ledger = Ledger()
+    with mqabstract.connect(rel_url) as mq:
+        mq.declare(group, pattern, lease=LEASE, max_attempts=50)
+        try:
+            ids = mq.publish_batch(
+                [mqabstract.OutgoingMessage(topic, body_for(f"{tok}-{i}"), id=f"{tok}-{i}")
+                 for i in range(40)]
+            )
+            for mid in ids:
+                ledger.confirm(mid, body_for(mid))
+            plans = [f"recv:{rng.randint(1, 4)}", f"acking:{rng.randint(1, 6)}",
+                     f"acked:{rng.randint(1, 6)}", "timed"]
+            rng.shuffle(plans)
+            kills = 0
+            for plan in [*plans, "none"]:
+                final = plan == "none"
+                spec = "none" if plan in ("timed", "none") else plan
+                idle = QUIET[backend] + LEASE if final else 60.0
+                worker = Worker("consume", rel_url, group, pattern, str(LEASE), "50",
+                                str(idle), spec, str(rng.randrange(1 << 30)))
+                if plan == "timed":
+                    assert worker.wait_for("RECV", 1, 90), worker.stderr
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    worker.kill()
+                    code = -9
+                else:
+                    code = worker.finish(180)
+                feed(ledger, worker)
+                if final:
+                    assert code == 0, f"final consumer exited {code}: {worker.stderr}"
+                else:
+                    assert code == -9, f"{plan}: exited {code}: {worker.stderr}"
+                    kills += 1
+            # Whatever the last consumer left (e.g. Kafka still rebalancing): drain here.
+            with mq.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
+                drain(sub, ledger, QUIET[backend], 60, set(ledger.expected))
+            collect_dead(mq, group, ledger)
+        finally:
+            cleanup(mq, group)
+    _check(ledger, reporter, scenario="consumer SIGKILL", backend=backend, kills=kills,
+           seed=seed)
+
+
+# -- publisher killed mid-batch -------------------------------------------------------------
+@pytest.mark.backends(*PROCESS_BACKENDS)
+def test_publisher_sigkill(backend: str, rel_url: str, reporter: Reporter) -> None:
+    """A publisher SIGKILLed mid-stream: every publish that returned is delivered; those in
+    flight may or may not be, but nothing else appears."""
+    seed = seed_for("publisher_sigkill")
+    rng = random.Random(seed)
+    tok = token()
+    topic, pattern, group = f"rel.{tok}.pub", f"rel.{tok}.#", f"rel-{tok}"
+    ledger = Ledger()
+    with mqabstract.connect(rel_url) as mq:
+        mq.declare(group, pattern, lease=10.0, max_attempts=50)
+        try:
+            worker = Worker("publish", rel_url, topic, "100000", tok, str(seed))
+            assert worker.wait_for("PUB", rng.randint(15, 40), 90), worker.stderr
+            time.sleep(rng.uniform(0.0, 0.05))  # land inside a publish or a batch
+            worker.kill()
+            for ev in worker.events():
+                if ev[0] == "TRY":
+                    for mid in ev[1:]:
+                        ledger.maybe[mid] = digest(body_for(mid))
+                elif ev[0] == "PUB":
+                    for mid in ev[1:]:
+                        ledger.confirm(mid, body_for(mid))
+            for mid in ledger.expected:
+                ledger.maybe.pop(mid, None)
+            assert ledger.expected, "publisher was killed before any publish returned"
+            with mq.subscribe(group, pattern, lease=10.0, max_attempts=50) as sub:
+                drain(sub, ledger, QUIET[backend], 60, set(ledger.expected))
+            collect_dead(mq, group, ledger)
+        finally:
+            cleanup(mq, group)
+    in_flight_delivered = len(set(ledger.maybe) & ledger.acked)
+    _check(ledger, reporter, scenario="publisher SIGKILL", backend=backend, kills=1,
+           in_flight_delivered=in_flight_delivered, seed=seed)
+
+
+# -- abandoned consumer (the in-process form of a crash) ---------------------------------------
+def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> None:
+    """A consumer that takes messages and stops without settling or closing (hung or dead
+    thread): after the lease, another consumer gets them with attempt + 1."""
+    tok = token()
+    topic, pattern, group = f"rel.{tok}.a", f"rel.{tok}.#", f"rel-{tok}"
+    ledger = Ledger()
+    with mqabstract.connect(rel_url) as mq, mqabstract.connect(rel_url) as other:
+        try:
+            hung = mq.subscribe(group, pattern, lease=LEASE, max_attempts=50)
+            for mid in mq.publish_batch([mqabstract.OutgoingMessage(
+                    topic, body_for(f"{tok}-{i}"), id=f"{tok}-{i}") for i in range(20)]):
+                ledger.confirm(mid, body_for(mid))
+            taken: list[mqabstract.Message] = []
+            deadline = time.monotonic() + 30
+            while len(taken) < 10 and time.monotonic() < deadline:
+                taken += hung.receive(10 - len(taken), 1.0)
+            assert taken, "the first consumer got nothing"
+            for n, msg in enumerate(taken):
+                ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                if n % 2 == 0:
+                    msg.ack()
+                    ledger.ack(msg.id)
+            # ``hung`` is never used again: its leases must run out.
+            with other.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
+                drain(sub, ledger, QUIET[backend] + LEASE, 60, set(ledger.expected))
+            back = [m for m in taken if m.id not in {t.id for t in taken[::2]}]
+            attempts = {mid: a for mid, a, _ in ledger.deliveries}
+            assert all(attempts[m.id] >= 2 for m in back), attempts
+            collect_dead(mq, group, ledger)
+        finally:
+            cleanup(mq, group)
+    _check(ledger, reporter, scenario="abandoned consumer", backend=backend, kills=1)
+
+
+# -- poison messages ---------------------------------------------------------------------------
+def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Reporter) -> None:
+    """Messages whose handler always fails are dead-lettered after max_attempts; the others
+    are acked on their first delivery, long before the poison ones are given up."""
+    tok = token()
+    topic, pattern, group = f"rel.{tok}.p", f"rel.{tok}.#", f"rel-{tok}"
+    ledger = Ledger()
+    poison: set[str] = set()
+    normal: set[str] = set()
+    acked_at: dict[str, float] = {}
+    stop = threading.Event()
+    with mqabstract.connect(rel_url) as mq:
+        try:
+            sub = mq.subscribe(group, pattern, lease=5.0, max_attempts=3)
+            batch = [
+                mqabstract.OutgoingMessage(topic, body_for(f"{tok}-{i}"), id=f"{tok}-{i}",
+                                           headers={"poison": "raise" if i < 2 else "no"})
+                for i in range(32)  # the two poison ones at the head of the queue
+            ]
+            for i, mid in enumerate(mq.publish_batch(batch)):
+                (poison if i < 2 else normal).add(mid)
+                ledger.confirm(mid, body_for(mid))
+            fails: dict[str, int] = {}
+            last_poison_failure = [0.0]
+
+            def handler(msg: mqabstract.Message) -> None:
+                ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                is_poison = msg.headers.get("poison") == "raise"
+                if is_poison:
+                    fails[msg.id] = fails.get(msg.id, 0) + 1
+                    last_poison_failure[0] = time.monotonic()
+                else:
+                    acked_at[msg.id] = time.monotonic()
+                    ledger.ack(msg.id)
+                if len(acked_at) == len(normal) and all(fails.get(p, 0) >= 3 for p in poison):
+                    stop.set()
+                if is_poison:
+                    raise ValueError("poison")
+
+            stats = sub.consume(handler, idle_timeout=30, wait=0.5, stop=stop,
+                                backoff=Backoff(initial=0.5, maximum=1.0, jitter=0))
+            sub.close()
+            collect_dead(mq, group, ledger)
+        finally:
+            cleanup(mq, group)
+    assert set(ledger.dead) == poison, f"dead letters {ledger.dead} != poison {poison}"
+    assert all(n == 3 for n in ledger.dead.values()), ledger.dead
+    firsts = {mid: a for mid, a, _ in ledger.deliveries if mid in normal}
+    assert set(acked_at) == normal and all(a == 1 for a in firsts.values()), firsts
+    # Not blocked: every other message was done before the poison ones were given up.
+    assert max(acked_at.values()) < last_poison_failure[0]
+    assert stats.dead_lettered == len(poison), stats
+    _check(ledger, reporter, scenario="poison (handler raises)", backend=backend,
+           kills=0, poison=len(poison))
+
+
+@pytest.mark.backends(*PROCESS_BACKENDS)
+def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
+                                        reporter: Reporter) -> None:
+    """A message that crashes every consumer receiving it: after max_attempts leases ran
+    out it is dead-lettered, and the other messages still get through."""
+    seed = seed_for("poison_crash")
+    rng = random.Random(seed)
+    tok = token()
+    topic, pattern, group = f"rel.{tok}.k", f"rel.{tok}.#", f"rel-{tok}"
+    ledger = Ledger()
+    max_attempts = 2
+    with mqabstract.connect(rel_url) as mq:
+        mq.declare(group, pattern, lease=LEASE, max_attempts=max_attempts)
+        try:
+            batch = [
+                mqabstract.OutgoingMessage(topic, body_for(f"{tok}-{i}"), id=f"{tok}-{i}",
+                                           headers={"poison": "crash" if i == 5 else "no"})
+                for i in range(12)
+            ]
+            for mid in mq.publish_batch(batch):
+                ledger.confirm(mid, body_for(mid))
+            kills = 0
+            for _ in range(max_attempts + 3):
+                worker = Worker("consume", rel_url, group, pattern, str(LEASE),
+                                str(max_attempts), str(QUIET[backend] + LEASE), "none",
+                                str(rng.randrange(1 << 30)), "1")  # one at a time: a
+                # crash must not cost the poison's batch-mates an attempt
+                code = worker.finish(180)
+                feed(ledger, worker)
+                if code == 0:
+                    break
+                assert code == -9, f"exited {code}: {worker.stderr}"
+                kills += 1
+            collect_dead(mq, group, ledger)
+        finally:
+            cleanup(mq, group)
+    assert kills == max_attempts, f"{kills} crashes for max_attempts={max_attempts}"
+    seen = {mid: [a for m, a, _ in ledger.deliveries if m == mid] for mid in ledger.dead}
+    assert list(ledger.dead) == [f"{tok}-5"], f"dead: {ledger.dead}; their deliveries {seen}"
+    assert ledger.dead[f"{tok}-5"] == max_attempts
+    _check(ledger, reporter, scenario="poison (kills consumer)", backend=backend, kills=kills,
+           seed=seed)
+
+
+def test_memory_has_no_process_faults() -> None:
+    """The memory hub is process-local: killing a process loses it by design (documented);
+    its crash coverage is the abandoned-consumer scenario."""
+    with mqabstract.connect("memory://rel-doc") as mq:
+        assert not mq.capabilities.shared_between_processes
+        assert mq.capabilities.supports(Feature.DEAD_LETTER)

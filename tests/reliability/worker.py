@@ -1,0 +1,103 @@
+"""Subprocess side of the fault tests (run as a script, not collected by pytest).
+
+    worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH]
+        receive up to BATCH (default 5) at a time; per message print
+        ``RECV id attempt digest``, then ``ACKING id``, ack, ``ACKED id``.
+        KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth message reaches
+        PHASE (``recv``: before acking, ``acking``: just before the ack call, ``acked``:
+        right after it). A message with header ``poison=crash`` kills the process on
+        receipt. Exits (``DONE``) after IDLE seconds without messages.
+    worker.py publish URL TOPIC COUNT PREFIX SEED
+        publish COUNT messages with ids PREFIX-n, mixing single publishes and batches;
+        ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
+
+Every line is flushed before the next step, so a parent that SIGKILLs this process knows
+what had happened up to that point.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+
+import mqabstract
+from tests.reliability.support import body_for, digest
+
+
+def out(*words: object) -> None:
+    sys.stdout.write(" ".join(map(str, words)) + "\n")
+    sys.stdout.flush()
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
+            idle: float, kill: str, seed: int, batch: int = 5) -> None:
+    rng = random.Random(seed)
+    phase, _, nth = kill.partition(":")
+    kill_at = int(nth) if nth else -1
+    mq = mqabstract.connect(url)
+    sub = mq.subscribe(group, pattern, lease=lease, max_attempts=max_attempts)
+    out("READY")
+    seen = 0
+    last = time.monotonic()
+    while True:
+        msgs = sub.receive(max_messages=batch, wait=0.5)
+        if not msgs:
+            if time.monotonic() - last > idle:
+                break
+            continue
+        last = time.monotonic()
+        for msg in msgs:
+            seen += 1
+            out("RECV", msg.id, msg.attempt, digest(msg.body))
+            if msg.headers.get("poison") == "crash":
+                die()
+            if phase == "recv" and seen == kill_at:
+                die()
+            time.sleep(rng.random() * 0.02)  # "processing"
+            out("ACKING", msg.id)
+            if phase == "acking" and seen == kill_at:
+                die()
+            msg.ack()
+            out("ACKED", msg.id)
+            if phase == "acked" and seen == kill_at:
+                die()
+    out("DONE")
+    mq.close()
+
+
+def publish(url: str, topic: str, count: int, prefix: str, seed: int) -> None:
+    rng = random.Random(seed)
+    with mqabstract.connect(url) as mq:
+        out("READY")
+        n = 0
+        while n < count:
+            size = rng.choice((1, 1, 3, 7))
+            ids = [f"{prefix}-{i}" for i in range(n, min(count, n + size))]
+            n += len(ids)
+            out("TRY", *ids)
+            if len(ids) == 1:
+                mq.publish(topic, body_for(ids[0]), id=ids[0])
+            else:
+                mq.publish_batch(
+                    [mqabstract.OutgoingMessage(topic, body_for(i), id=i) for i in ids]
+                )
+            out("PUB", *ids)
+        out("DONE")
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "consume":
+        consume(args[0], args[1], args[2], float(args[3]), int(args[4]), float(args[5]),
+                args[6], int(args[7]), int(args[8]) if len(args) > 8 else 5)
+    elif mode == "publish":
+        publish(args[0], args[1], int(args[2]), args[3], int(args[4]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
