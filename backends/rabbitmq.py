@@ -170,6 +170,218 @@ class _Pending:
                 log.exception("publish completion callback failed")
 
 
+class _Confirms:
+    """Publisher-confirm bookkeeping for one confirm-mode channel: delivery tag → (pending,
+    index), and basic.return matching for publishes where "unroutable" is a failure."""
+
+    def __init__(self) -> None:
+        self.out: OrderedDict[int, tuple[_Pending, int, tuple[str, str, str] | None]] = (
+            OrderedDict()
+        )
+        self.tag = 0
+        self._returns: dict[tuple[str, str, str], deque[int]] = {}
+        self._returned: set[int] = set()
+
+    def reset(self) -> None:
+        """A new channel: tags restart at 1; whatever was unconfirmed is lost."""
+        out, self.out = self.out, OrderedDict()
+        self.tag = 0
+        self._returns.clear()
+        self._returned.clear()
+        for pend, j, _key in out.values():
+            pend.settle(j, "lost")
+
+    def send(self, publish: Callable[..., Any], items: Sequence[_Item], pend: _Pending,
+             usable: Callable[[], bool]) -> None:
+        """Publish ``items`` with ``publish``; an error on the wire marks the rest lost."""
+        for j, item in enumerate(items):
+            if not usable():
+                pend.settle(j, "lost")
+                continue
+            # Register the tag first: a blocking publish may read its own ack while flushing.
+            self.tag += 1
+            tag = self.tag
+            key = None
+            if item.must_route:
+                key = (item.exchange, item.routing_key, item.props.message_id or "")
+                self._returns.setdefault(key, deque()).append(tag)
+            self.out[tag] = (pend, j, key)
+            try:
+                publish(item.exchange, item.routing_key, item.body, item.props,
+                        mandatory=item.must_route)
+            except Exception as exc:  # channel/connection went away under us
+                log.debug("publish failed on the wire: %s", exc)
+                if self.out.pop(tag, None) is not None:
+                    pend.settle(j, "lost")
+                if key is not None and key in self._returns:
+                    with contextlib.suppress(ValueError):
+                        self._returns[key].remove(tag)
+
+    def on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ok = isinstance(method, amqp.Basic.Ack)
+        tag = method.delivery_tag
+        settled: list[tuple[int, tuple[_Pending, int, Any]]] = []
+        if method.multiple:
+            while self.out:
+                first = next(iter(self.out))
+                if first > tag:
+                    break
+                settled.append(self.out.popitem(last=False))
+        elif tag in self.out:
+            settled.append((tag, self.out.pop(tag)))
+        for t, (pend, j, key) in settled:
+            if key is not None:
+                waiting = self._returns.get(key)
+                if waiting is not None:
+                    with contextlib.suppress(ValueError):
+                        waiting.remove(t)
+                    if not waiting:
+                        del self._returns[key]
+            if t in self._returned:
+                self._returned.discard(t)
+                pend.settle(j, "returned")
+            elif ok:
+                pend.settle(j, "ack")
+            else:
+                pend.settle(j, "nack", "the broker refused the message (basic.nack)")
+
+    def on_return(self, _ch: Any, method: Any, props: Any, _body: bytes) -> None:
+        key = (method.exchange, method.routing_key, props.message_id or "")
+        waiting = self._returns.get(key)
+        if waiting:
+            self._returned.add(waiting.popleft())
+            if not waiting:
+                del self._returns[key]
+
+
+def _noop() -> None:
+    return None
+
+
+def _merge(result: _Pending, pend: _Pending, todo: list[int]) -> list[int]:
+    """Fold one attempt's outcome into ``result``; return the indexes to send again."""
+    with pend.lock:
+        for j in pend.acked:
+            result.settle(todo[j], "ack")
+        for j in pend.returned:
+            result.settle(todo[j], "returned")
+        for j, why in pend.failed.items():
+            result.settle(todo[j], "nack", why)
+        return [todo[j] for j in sorted(pend.lost)]
+
+
+class _Publisher:
+    """Publishes from the calling thread on a BlockingConnection of its own, so a single
+    publish costs what raw pika's does (no hop to the I/O thread). Confirms are pipelined:
+    confirm mode is switched on at the pika channel implementation (``_impl``), so
+    BlockingChannel does not wait per message; acks arrive through ``process_data_events``.
+    One caller at a time; a lost connection is re-opened and the unconfirmed re-sent."""
+
+    def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
+        self.params = params
+        self.where = where
+        self.lock = threading.Lock()
+        self.conn: pika.BlockingConnection | None = None
+        self.ch: Any = None
+        self.confirms = _Confirms()
+        self.last_error = ""
+        self._rr = 0
+
+    def _open(self) -> None:
+        params = self.params[self._rr % len(self.params)]
+        self._rr += 1
+        conn = pika.BlockingConnection(params)
+        try:
+            ch = conn.channel()
+            ready: list[Any] = []
+            self.confirms.reset()
+            ch._impl.add_on_return_callback(self.confirms.on_return)
+            ch._impl.confirm_delivery(self.confirms.on_confirm, callback=ready.append)
+            while not ready:
+                conn.process_data_events(time_limit=1.0)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise
+        self.conn, self.ch = conn, ch
+
+    def _drop(self, exc: BaseException) -> None:
+        self.last_error = redact(_describe(exc))
+        conn, self.conn, self.ch = self.conn, None, None
+        self.confirms.reset()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _usable(self) -> bool:
+        return self.ch is not None and self.ch.is_open
+
+    def _publish_fn(self, count: int) -> Callable[..., None]:
+        """Buffer all but the last publish at the channel implementation; BlockingChannel's
+        publish of the last one flushes them to the socket together."""
+        ch = self.ch
+        calls = itertools.count(1)
+
+        def publish(exchange: str, routing_key: str, body: bytes, props: Any,
+                    mandatory: bool = False) -> None:
+            if next(calls) >= count:
+                ch.basic_publish(exchange, routing_key, body, props, mandatory)
+            else:
+                ch._impl.basic_publish(exchange, routing_key, body, props, mandatory)
+
+        return publish
+
+    def _wake(self, _pend: _Pending) -> None:
+        """Make ``process_data_events`` return now: confirms are handled at the channel
+        implementation level, which BlockingConnection does not count as an event."""
+        conn = self.conn
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.add_callback_threadsafe(_noop)
+
+    def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
+        """Publish and wait for confirms, re-sending across reconnects until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        result = _Pending(len(items))
+        todo = list(range(len(items)))
+        failures = 0
+        with self.lock:
+            while todo and time.monotonic() < deadline:
+                pend = _Pending(len(todo), self._wake)
+                try:
+                    if self.conn is None or not self.conn.is_open or not self._usable():
+                        self._open()
+                except (*_CONN_ERRORS, pex.AMQPError) as exc:
+                    self._drop(exc)
+                    failures += 1
+                    time.sleep(min(2.0, 0.05 * 2 ** min(failures, 6),
+                                   max(0.0, deadline - time.monotonic())))
+                    continue
+                try:
+                    batch = [items[i] for i in todo]
+                    self.confirms.send(self._publish_fn(len(batch)), batch, pend,
+                                       self._usable)
+                    while pend.left > 0:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self.conn.process_data_events(time_limit=min(left, 1.0))  # type: ignore[union-attr]
+                except (*_CONN_ERRORS, pex.AMQPError) as exc:
+                    self._drop(exc)  # settles everything unconfirmed as lost
+                if pend.left > 0:
+                    break  # out of time with confirms outstanding
+                todo = _merge(result, pend, todo)
+        return result
+
+    def close(self) -> None:
+        with self.lock:
+            conn, self.conn, self.ch = self.conn, None, None
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+
 # ----------------------------------------------------------------------------------------
 # the I/O thread
 
@@ -188,12 +400,7 @@ class _Link:
         self.ready = threading.Event()  # publish channel usable
         self.closing = False
         self.subs: set[_Sub] = set()
-        self._out: OrderedDict[int, tuple[_Pending, int, tuple[str, str, str] | None]] = (
-            OrderedDict()
-        )
-        self._tag = 0
-        self._returns: dict[tuple[str, str, str], deque[int]] = {}
-        self._returned: set[int] = set()
+        self.confirms = _Confirms()
         self._failures = 0
         self._opened = threading.Event()
         self._open_error: BaseException | None = None
@@ -298,9 +505,9 @@ class _Link:
 
     def _on_pub_channel(self, ch: Any) -> None:
         ch.add_on_close_callback(self._on_pub_closed)
-        ch.add_on_return_callback(self._on_return)
-        self._tag = 0
-        ch.confirm_delivery(self._on_confirm, callback=lambda _frame: self._pub_ready(ch))
+        self.confirms.reset()
+        ch.add_on_return_callback(self.confirms.on_return)
+        ch.confirm_delivery(self.confirms.on_confirm, callback=lambda _frame: self._pub_ready(ch))
 
     def _pub_ready(self, ch: Any) -> None:
         self.ch = ch
@@ -319,98 +526,16 @@ class _Link:
             conn.channel(on_open_callback=self._on_pub_channel)
 
     def _fail_outstanding(self) -> None:
-        out, self._out = self._out, OrderedDict()
-        self._returns.clear()
-        self._returned.clear()
-        for pend, j, _key in out.values():
-            pend.settle(j, "lost")
+        self.confirms.reset()
 
     # -- publishing ------------------------------------------------------------------------
     def send(self, items: Sequence[_Item], pend: _Pending) -> None:
         """(I/O thread) publish ``items``; ``pend`` learns each one's fate."""
         ch = self.ch
-        for j, item in enumerate(items):
-            if ch is None or not ch.is_open:
-                pend.settle(j, "lost")
-                continue
-            try:
-                ch.basic_publish(item.exchange, item.routing_key, item.body, item.props,
-                                 mandatory=item.must_route)
-            except Exception as exc:  # channel/connection went away under us
-                log.debug("publish failed on the wire: %s", exc)
-                pend.settle(j, "lost")
-                continue
-            self._tag += 1
-            key = None
-            if item.must_route:
-                key = (item.exchange, item.routing_key, item.props.message_id or "")
-                self._returns.setdefault(key, deque()).append(self._tag)
-            self._out[self._tag] = (pend, j, key)
-
-    def _on_confirm(self, frame: Any) -> None:
-        method = frame.method
-        ok = isinstance(method, amqp.Basic.Ack)
-        tag = method.delivery_tag
-        settled: list[tuple[int, tuple[_Pending, int, Any]]] = []
-        if method.multiple:
-            while self._out:
-                first = next(iter(self._out))
-                if first > tag:
-                    break
-                settled.append(self._out.popitem(last=False))
-        elif tag in self._out:
-            settled.append((tag, self._out.pop(tag)))
-        for t, (pend, j, key) in settled:
-            if key is not None:
-                waiting = self._returns.get(key)
-                if waiting is not None:
-                    with contextlib.suppress(ValueError):
-                        waiting.remove(t)
-                    if not waiting:
-                        del self._returns[key]
-            if t in self._returned:
-                self._returned.discard(t)
-                pend.settle(j, "returned")
-            elif ok:
-                pend.settle(j, "ack")
-            else:
-                pend.settle(j, "nack", "the broker refused the message (basic.nack)")
-
-    def _on_return(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
-        key = (method.exchange, method.routing_key, props.message_id or "")
-        waiting = self._returns.get(key)
-        if waiting:
-            self._returned.add(waiting.popleft())
-            if not waiting:
-                del self._returns[key]
-
-    def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
-        """(any thread but the I/O one) publish and wait for confirms, re-sending what a
-        lost connection left unconfirmed until ``timeout``. Returns the final state, with
-        indexes into ``items``; whatever is neither acked, returned nor failed is lost."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("publish() must not be called on the I/O thread")
-        deadline = time.monotonic() + timeout
-        result = _Pending(len(items))
-        todo = list(range(len(items)))
-        while todo:
-            left = deadline - time.monotonic()
-            if self.closing or left <= 0 or not self.ready.wait(left):
-                break
-            pend = _Pending(len(todo))
-            batch = [items[i] for i in todo]
-            self.call(lambda b=batch, p=pend: self.send(b, p))  # type: ignore[misc]
-            if not pend.event.wait(max(0.0, deadline - time.monotonic())):
-                break
-            with pend.lock:
-                for j in pend.acked:
-                    result.settle(todo[j], "ack")
-                for j in pend.returned:
-                    result.settle(todo[j], "returned")
-                for j, why in pend.failed.items():
-                    result.settle(todo[j], "nack", why)
-                todo = [todo[j] for j in sorted(pend.lost)]
-        return result
+        self.confirms.send(
+            ch.basic_publish if ch is not None else None, items, pend,
+            lambda: self.ch is ch and ch is not None and ch.is_open,
+        )
 
     # -- periodic work ---------------------------------------------------------------------
     def _tick(self) -> None:
@@ -813,7 +938,7 @@ class _Sub(DriverSubscription):
             self._link.call(self._io_flush_acks)
 
     def _settle_by_copy(self, receipt: _Receipt, item: _Item) -> None:
-        pend = self._link.publish([item], self._driver._publish_timeout)
+        pend = self._driver._pub.publish([item], self._driver._publish_timeout)
         if pend.acked or pend.returned:  # returned: the target queue is gone, nothing to keep
             raw = receipt.raw
             self._link.call(lambda: self._io_ack_raw([raw]))
@@ -821,7 +946,7 @@ class _Sub(DriverSubscription):
         if pend.failed:
             raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
         raise ConnectionFailed(f"rabbitmq at {self._driver._where}: not confirmed in time "
-                               f"({self._link.last_error or 'connection lost'})")
+                               f"({self._driver._pub.last_error or 'connection lost'})")
 
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
@@ -855,14 +980,14 @@ class _Sub(DriverSubscription):
                H_ATTEMPTS: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
         )
         item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
-        pend = self._link.publish([item], self._driver._publish_timeout)
+        pend = self._driver._pub.publish([item], self._driver._publish_timeout)
         if pend.returned:
             raise NotFound(f"dead-letter queue of group {self.spec.name!r} is missing")
         if pend.acked:
             self._link.call(lambda: self._io_ack_raw([raw]))
             return
         raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not confirmed "
-                               f"({self._link.last_error or 'connection lost'})")
+                               f"({self._driver._pub.last_error or 'connection lost'})")
 
     def close(self) -> None:
         if self._closed:
@@ -985,6 +1110,7 @@ class RabbitMQDriver(Driver):
         params = self._params(url, opts)
         self._admin = _Admin(params, self._where)
         self._link = _Link(params, self._where)
+        self._pub = _Publisher(params, self._where)
         self._caps = self._capabilities(opts["max_body_bytes"])
 
     # -- opening ---------------------------------------------------------------------------
@@ -1033,6 +1159,12 @@ class RabbitMQDriver(Driver):
         except BaseException:
             driver._admin.close()
             raise
+        try:
+            driver._pub._open()  # no other thread knows the driver yet: no lock needed
+        except Exception as exc:
+            driver.close()
+            raise ConnectionFailed(f"cannot connect to RabbitMQ at {driver._where}: "
+                                   f"{redact(_describe(exc))}") from exc
         return driver
 
     def _capabilities(self, max_body: int) -> Capabilities:
@@ -1218,11 +1350,11 @@ class RabbitMQDriver(Driver):
     def publish(self, envelopes: Sequence[Envelope]) -> None:
         self._check()
         items = self._items(envelopes)
-        pend = self._link.publish(items, self._publish_timeout)
+        pend = self._pub.publish(items, self._publish_timeout)
         if pend.returned:  # a wait tier vanished (deleted behind our back): declare, resend
             self._tiers.clear()
             again = self._items([envelopes[i] for i in pend.returned])
-            retry = self._link.publish(again, self._publish_timeout)
+            retry = self._pub.publish(again, self._publish_timeout)
             with pend.lock:
                 for j in retry.acked:
                     pend.acked.append(pend.returned[j])
@@ -1235,7 +1367,7 @@ class RabbitMQDriver(Driver):
         if len(acked) == len(envelopes):
             return
         failed: dict[int, MQError] = {}
-        why = self._link.last_error or "connection lost"
+        why = self._pub.last_error or "connection lost"
         for i in range(len(envelopes)):
             if i in acked:
                 continue
@@ -1342,7 +1474,7 @@ class RabbitMQDriver(Driver):
                 fresh = _copy_props(props, **{H_ATTEMPT: None, H_REASON: None,
                                               H_ATTEMPTS: None, H_DEAD_AT: None, H_DUE: None})
                 items.append(_Item("", queue, body, fresh, True))
-            pend = self._link.publish(items, self._publish_timeout) if items else None
+            pend = self._pub.publish(items, self._publish_timeout) if items else None
             moved = set(pend.acked) if pend is not None else set()
             ch = a.ch
             keep = {id(g) for j, g in enumerate(picked) if j in moved}
@@ -1411,4 +1543,5 @@ class RabbitMQDriver(Driver):
             with contextlib.suppress(Exception):
                 sub.close()
         self._link.stop()
+        self._pub.close()
         self._admin.close()
