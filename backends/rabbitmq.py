@@ -26,6 +26,7 @@ Mapping (details and trade-offs in ``docs/backends/rabbitmq.md``):
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import heapq
 import itertools
@@ -1108,9 +1109,14 @@ class RabbitMQDriver(Driver):
         self._declared: set[tuple[str, str]] = set()
         self._tiers: set[tuple[str, int]] = set()
         params = self._params(url, opts)
-        self._admin = _Admin(params, self._where)
+        # The blocking connections only talk when called, so they cannot answer heartbeats
+        # while idle: they run without, and a dead one is found (and re-opened) on next use.
+        quiet = [copy.copy(p) for p in params]
+        for p in quiet:
+            p.heartbeat = 0
+        self._admin = _Admin(quiet, self._where)
         self._link = _Link(params, self._where)
-        self._pub = _Publisher(params, self._where)
+        self._pub = _Publisher(quiet, self._where)
         self._caps = self._capabilities(opts["max_body_bytes"])
 
     # -- opening ---------------------------------------------------------------------------
