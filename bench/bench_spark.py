@@ -62,6 +62,9 @@ def broker_url(kind: str, workdir: str) -> str | None:
         return explicit
     port = brokerctl.default_port(kind)
     if brokerctl.ready(kind, port):
+        if kind == "sqs":  # the local moto server takes any credentials; AWS would not
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
         return str(brokerctl.broker_url(kind, port))
     print(f"{kind:<9} skipped: no broker (scripts/brokers up {kind})")
     return None
@@ -247,19 +250,21 @@ def main() -> int:
 
     from mqabstract.spark_sink import register
 
-    spark = (SparkSession.builder.master("local[2]").appName("mqabstract-bench")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    register(spark)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="mqabstract-bench-") as workdir:
+        # resolved before the session starts: executors inherit the environment at launch
+        urls = {kind: broker_url(kind, workdir) for kind in args.backends.split(",")}
+        spark = (SparkSession.builder.master("local[2]").appName("mqabstract-bench")
+                 .config("spark.ui.enabled", "false")
+                 .config("spark.ui.showConsoleProgress", "false")
+                 .getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+        register(spark)
         # warm up the Python workers and Arrow paths once, outside any timing
         warm = f"sqlite:///{workdir}/warm.db"
         spark.range(1000).selectExpr("cast(id as string) as value").write.format("mqabstract") \
             .option("url", warm).option("topic", "warm").mode("append").save()
-        for kind in args.backends.split(","):
-            url = broker_url(kind, workdir)
+        for kind, url in urls.items():
             if url is None:
                 continue
             rows = args.rows or DEFAULT_ROWS[kind]
