@@ -538,7 +538,8 @@ class Broker:
                 else:
                     names.check_header_name(name)
                 names.check_text_value(value, f"header {name!r}")
-                size += len(name.encode()) + len(value.encode())
+                # Names are ASCII by the naming rules; ASCII values need no encoding to measure.
+                size += len(name) + (len(value) if value.isascii() else len(value.encode()))
                 out_headers[name] = value
             if size > caps.max_header_bytes:
                 raise MessageTooLarge(
