@@ -333,13 +333,20 @@ class _Publisher:
 
         return publish
 
-    def _wake(self, _pend: _Pending) -> None:
-        """Make ``process_data_events`` return now: confirms are handled at the channel
-        implementation level, which BlockingConnection does not count as an event."""
+    def _wait(self, pend: _Pending, deadline: float) -> None:
+        """Process I/O until every confirm of ``pend`` arrived or ``deadline`` passed.
+
+        Uses the loop BlockingChannel itself waits for a confirm with (``_flush_output``),
+        plus a timer at the deadline so the poll cannot outlast it. ``process_data_events``
+        would not do: impl-level confirm callbacks are not events it returns on."""
         conn = self.conn
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.add_callback_threadsafe(_noop)
+        assert conn is not None
+        ioloop = conn._impl.ioloop
+        timer = ioloop.call_later(max(0.0, deadline - time.monotonic()), _noop)
+        try:
+            conn._flush_output(lambda: pend.left == 0 or time.monotonic() >= deadline)
+        finally:
+            ioloop.remove_timeout(timer)
 
     def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
         """Publish and wait for confirms, re-sending across reconnects until ``timeout``."""
@@ -349,7 +356,7 @@ class _Publisher:
         failures = 0
         with self.lock:
             while todo and time.monotonic() < deadline:
-                pend = _Pending(len(todo), self._wake)
+                pend = _Pending(len(todo))
                 try:
                     if self.conn is None or not self.conn.is_open or not self._usable():
                         self._open()
@@ -363,11 +370,7 @@ class _Publisher:
                     batch = [items[i] for i in todo]
                     self.confirms.send(self._publish_fn(len(batch)), batch, pend,
                                        self._usable)
-                    while pend.left > 0:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            break
-                        self.conn.process_data_events(time_limit=min(left, 1.0))  # type: ignore[union-attr]
+                    self._wait(pend, deadline)
                 except (*_CONN_ERRORS, pex.AMQPError) as exc:
                     self._drop(exc)  # settles everything unconfirmed as lost
                 if pend.left > 0:
@@ -1251,7 +1254,8 @@ class RabbitMQDriver(Driver):
                 content_type = value
             else:
                 headers[name] = value
-        headers[H_TOPIC] = env.topic
+        # No mq-topic here: the routing key is the topic until the driver copies the
+        # message to a queue by name, and the copy then records it.
         headers[H_PUBLISHED] = repr(env.published_at)
         if env.key is not None:
             headers[H_KEY] = env.key

@@ -158,7 +158,7 @@ def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> N
     received: set[str] = set()
     errors: list[BaseException] = []
     stop = threading.Event()
-    total = 400
+    total = 1000
 
     def publish() -> None:
         try:
@@ -190,8 +190,8 @@ def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> N
         while len(confirmed) < 100 and threads[0].is_alive():
             time.sleep(0.05)
         at_restart = len(confirmed)
-        node.restart()  # type: ignore[attr-defined]
         assert threads[0].is_alive(), "the publisher finished before the restart: no test"
+        node.restart()  # type: ignore[attr-defined]
         threads[0].join(180)
         assert not threads[0].is_alive(), "publisher hung"
         deadline = time.monotonic() + 60
