@@ -342,11 +342,15 @@ class _Publisher:
         conn = self.conn
         assert conn is not None
         ioloop = conn._impl.ioloop
-        timer = ioloop.call_later(max(0.0, deadline - time.monotonic()), _noop)
+        try:
+            timer = ioloop.call_later(max(0.0, deadline - time.monotonic()), _noop)
+        except ValueError as exc:  # pika closed the loop: the connection dropped mid-send
+            raise pex.StreamLostError("connection lost before confirms arrived") from exc
         try:
             conn._flush_output(lambda: pend.left == 0 or time.monotonic() >= deadline)
         finally:
-            ioloop.remove_timeout(timer)
+            with contextlib.suppress(ValueError):
+                ioloop.remove_timeout(timer)
 
     def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
         """Publish and wait for confirms, re-sending across reconnects until ``timeout``."""
@@ -1080,6 +1084,46 @@ def _channel_error(exc: pex.ChannelClosedByBroker, what: str) -> MQError:
 # the driver
 
 
+def _rabbitmq_capabilities(max_body: int) -> Capabilities:
+    """What the driver declares; only the body limit is a per-connection option."""
+    f = Feature
+    return Capabilities(
+        features={
+            f.WILDCARDS: Support.NATIVE,
+            f.FANOUT: Support.NATIVE,
+            f.COMPETING: Support.NATIVE,
+            f.LEASE_EXTEND: Support.EMULATED,
+            f.NACK_DELAY: Support.EMULATED,
+            f.DELAY: Support.EMULATED,
+            f.PRIORITY: Support.NATIVE,
+            f.ORDERING: Support.NATIVE,
+            f.DEAD_LETTER: Support.EMULATED,
+            f.BATCH: Support.NATIVE,
+        },
+        max_body_bytes=max_body,
+        max_headers=64,
+        max_header_bytes=16 * 1024,
+        max_delay=365 * 86400.0,
+        max_batch=1000,
+        max_priority=9,
+        max_lease=12 * 3600.0,
+        max_receive=1000,
+        notes={
+            f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
+                            "timeout): an expired message is copied back with attempt+1",
+            f.NACK_DELAY: "per-tier wait queues with TTL dead-lettering to the group",
+            f.DELAY: "per-tier wait queues with TTL dead-lettering to the exchange; "
+                     "re-tiered until due, never early",
+            f.PRIORITY: "groups declared priority=True use classic queues with "
+                        "x-max-priority (no quorum replication, redelivery counted "
+                        "from the redelivered flag); other groups are FIFO quorum queues",
+            f.ORDERING: "groups declared ordered=True use x-single-active-consumer",
+            f.DEAD_LETTER: "a classic dead-letter queue per group, filled by the driver",
+            f.BATCH: "publisher confirms pipelined on one channel",
+        },
+    )
+
+
 class RabbitMQDriver(Driver):
     """RabbitMQ through pika: topic exchange, a queue per group, emulated leases/delays."""
 
@@ -1100,6 +1144,7 @@ class RabbitMQDriver(Driver):
         "verify": Option(bool, True, "amqps: verify the server certificate"),
         "ca_file": Option(str, None, "amqps: CA bundle to verify the server with"),
     }
+    CAPABILITIES = _rabbitmq_capabilities(OPTIONS["max_body_bytes"].default)
 
     def __init__(self, url: BrokerURL, opts: Mapping[str, Any]) -> None:
         self._url = url
@@ -1120,7 +1165,7 @@ class RabbitMQDriver(Driver):
         self._admin = _Admin(quiet, self._where)
         self._link = _Link(params, self._where)
         self._pub = _Publisher(quiet, self._where)
-        self._caps = self._capabilities(opts["max_body_bytes"])
+        self._caps = _rabbitmq_capabilities(opts["max_body_bytes"])
 
     # -- opening ---------------------------------------------------------------------------
     @staticmethod
@@ -1175,44 +1220,6 @@ class RabbitMQDriver(Driver):
             raise ConnectionFailed(f"cannot connect to RabbitMQ at {driver._where}: "
                                    f"{redact(_describe(exc))}") from exc
         return driver
-
-    def _capabilities(self, max_body: int) -> Capabilities:
-        f = Feature
-        return Capabilities(
-            features={
-                f.WILDCARDS: Support.NATIVE,
-                f.FANOUT: Support.NATIVE,
-                f.COMPETING: Support.NATIVE,
-                f.LEASE_EXTEND: Support.EMULATED,
-                f.NACK_DELAY: Support.EMULATED,
-                f.DELAY: Support.EMULATED,
-                f.PRIORITY: Support.NATIVE,
-                f.ORDERING: Support.NATIVE,
-                f.DEAD_LETTER: Support.EMULATED,
-                f.BATCH: Support.NATIVE,
-            },
-            max_body_bytes=max_body,
-            max_headers=64,
-            max_header_bytes=16 * 1024,
-            max_delay=365 * 86400.0,
-            max_batch=1000,
-            max_priority=9,
-            max_lease=12 * 3600.0,
-            max_receive=1000,
-            notes={
-                f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
-                                "timeout): an expired message is copied back with attempt+1",
-                f.NACK_DELAY: "per-tier wait queues with TTL dead-lettering to the group",
-                f.DELAY: "per-tier wait queues with TTL dead-lettering to the exchange; "
-                         "re-tiered until due, never early",
-                f.PRIORITY: "groups declared priority=True use classic queues with "
-                            "x-max-priority (no quorum replication, redelivery counted "
-                            "from the redelivered flag); other groups are FIFO quorum queues",
-                f.ORDERING: "groups declared ordered=True use x-single-active-consumer",
-                f.DEAD_LETTER: "a classic dead-letter queue per group, filled by the driver",
-                f.BATCH: "publisher confirms pipelined on one channel",
-            },
-        )
 
     @property
     def capabilities(self) -> Capabilities:
