@@ -27,6 +27,7 @@ import re
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
@@ -157,8 +158,9 @@ class KafkaDriver(Driver):
         "partitions": Option(int, 4, "partitions of topics this driver creates"),
         "replication_factor": Option(int, -1, "replication of created topics (-1: broker)"),
         "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
-        "session_timeout_ms": Option(int, 3000, "consumer session; joins take about half"),
-        "heartbeat_interval_ms": Option(int, 1000, "consumer heartbeat"),
+        "session_timeout_ms": Option(int, 2000, "consumer session; joins take about half"),
+        "heartbeat_interval_ms": Option(int, 500, "consumer heartbeat"),
+        "max_poll_interval_ms": Option(int, 30000, "rebalance timeout of the group"),
         "metadata_max_age_ms": Option(int, 1000, "how soon new topics reach pattern groups"),
         "request_timeout_ms": Option(int, 15000, "per request"),
         "connect_timeout": Option(float, 10.0, "seconds to reach the cluster at open"),
@@ -186,6 +188,7 @@ class KafkaDriver(Driver):
         self._lock = threading.Lock()  # admin client and caches
         self._known: set[str] = set()
         self._declared: dict[str, int] = {}
+        self.topic_version = 0
         self._closed = False
         timeout = int(opts["connect_timeout"] * 1000)
         self.admin: Any = None
@@ -310,6 +313,7 @@ class KafkaDriver(Driver):
                     f"error {code} {item.get('error_message') or ''}"
                 )
         self._known.update(missing)
+        self.topic_version += 1  # our subscriptions look for new matching topics at once
 
     # -- publishing ----------------------------------------------------------------------------
     def _record_headers(self, env: Envelope, topic_header: bool) -> list[tuple[str, bytes]]:
@@ -419,6 +423,20 @@ class KafkaDriver(Driver):
         declared = self.declared_ms(spec.name, create=True)
         assert declared is not None
         return KafkaSubscription(self, spec, declared)
+
+    def committed(self, group: str, tps: Collection[TopicPartition]
+                  ) -> dict[TopicPartition, int | None]:
+        """The group's committed offsets (None where it has none)."""
+        try:
+            with self._lock:
+                found = self.admin.list_group_offsets({group: list(tps)}).get(group, {})
+        except Exception as exc:
+            raise _native(exc, f"cannot read offsets of {group!r}", self.url) from exc
+        out: dict[TopicPartition, int | None] = {}
+        for tp in tps:
+            oam = found.get(tp)
+            out[tp] = oam.offset if oam is not None and oam.offset >= 0 else None
+        return out
 
     def commit_marks(self, group: str, marks: Mapping[TopicPartition, int]) -> None:
         """Record, in a shadow group, how far records were handed to the application.
@@ -576,12 +594,13 @@ def _shadow(group: str) -> str:
 class _Part:
     """Offsets of one assigned partition: fetched, acked, committed."""
 
-    __slots__ = ("committed", "done", "mark", "next_fetch", "order", "revoked_at")
+    __slots__ = ("committed", "confirmed", "done", "mark", "next_fetch", "order", "revoked_at")
 
     def __init__(self, committed: int | None, mark: int) -> None:
         self.order: deque[int] = deque()  # fetched offsets not yet committed, in order
         self.done: set[int] = set()
         self.committed = committed
+        self.confirmed = committed  # last commit the coordinator accepted
         self.next_fetch: int | None = None
         self.mark = mark  # records below were handed to an application before
         self.revoked_at: int | None = None
@@ -614,9 +633,14 @@ class _Rec:
         self.hops = 0
 
 
+def _slot(tp: TopicPartition, slots: int) -> int:
+    """The retry partition ("slot") whose owner in the group also reads data partition ``tp``."""
+    return (zlib.crc32(tp.topic.encode()) + tp.partition) % max(1, slots)
+
+
 class _Listener(ConsumerRebalanceListener):
     """kafka-python 3 calls listeners on its IO thread, where blocking consumer calls are
-    refused: the listener only records the change; the background thread acts on it."""
+    refused: the listener only records the change; the background threads act on it."""
 
     def __init__(self, sub: KafkaSubscription) -> None:
         self.sub = sub
@@ -629,16 +653,28 @@ class _Listener(ConsumerRebalanceListener):
 
 
 class KafkaSubscription(DriverSubscription):
-    """One consumer of a group. A background thread owns the KafkaConsumer (it is not
-    thread-safe): it polls, commits, expires leases, and releases delayed records."""
+    """One consumer of a group, on two KafkaConsumers owned by two background threads.
+
+    * The *group* consumer is the Kafka consumer-group member. It subscribes to the group's
+      retry topic only, a fixed list: the group rebalances when members come and go, never
+      because a topic matching the pattern appeared. Its retry partitions are this
+      member's *slots*. Its thread does nothing but poll (kafka-python 3.0 abandons a join
+      whose SyncGroup answer arrives while no poll is waiting, seen against tansu), take
+      new assignments and commit offsets (for the data partitions too: an offset commit
+      is checked against the member's generation, not its assignment, on Apache Kafka and
+      tansu alike).
+    * The *data* consumer has no group: it is assigned, by hand, the partitions of the
+      topics matching the pattern whose slot (``_slot``) this member owns, and refreshes
+      that list when topics appear, so a new topic is read from its first message without
+      a rebalance. Its thread also expires leases, releases delayed records and hands
+      idle records to other members.
+    """
 
     def __init__(self, driver: KafkaDriver, spec: GroupSpec, declared_ms: int) -> None:
         self.d = driver
         self.spec = spec
         self.declared_ms = declared_ms
         self.retry = driver.retry_topic(spec.name)
-        words = spec.pattern.split(".")
-        self.wildcard = "*" in words or "#" in words
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
         self.ready: deque[_Rec] = deque()
@@ -648,92 +684,318 @@ class KafkaSubscription(DriverSubscription):
         self.suspended: dict[TopicPartition, tuple[_Part, list[_Rec]]] = {}
         self.pending: set[TopicPartition] = set()
         self.new_assignment: set[TopicPartition] | None = None
+        self.slots: set[int] = set()
+        self.slot_version = 0
         self.tokens = itertools.count(1)
         self.seq = itertools.count()
         self.closed = False
         self.stopping = False
+        self.group_stopping = False
         self.waiting = 0
         self.last_receive = time.monotonic()
         self.paused = False
         self.assigned_once = threading.Event()
         self.error: BaseException | None = None
+        self.data_assigned: set[TopicPartition] = set()
+        self.applied_version = -1
+        self.topic_version = -1
+        self.next_refresh = 0.0
+        self.matched: set[str] = set()
         opts = driver.opts
+        self.group: Any = None
         try:
-            self.consumer = KafkaConsumer(
+            self.slot_count = len(driver.producer.partitions_for(self.retry) or ()) or 1
+            self.regex = re.compile(topic_regex(spec.pattern, driver.prefix))
+            self.group = KafkaConsumer(
                 **driver.common,
                 group_id=spec.name,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 session_timeout_ms=opts["session_timeout_ms"],
                 heartbeat_interval_ms=opts["heartbeat_interval_ms"],
-                metadata_max_age_ms=opts["metadata_max_age_ms"],
+                max_poll_interval_ms=opts["max_poll_interval_ms"],
                 max_poll_records=500,
                 fetch_max_wait_ms=100,
             )
-            self.regex = re.compile(topic_regex(spec.pattern, driver.prefix))
-            self.listener = _Listener(self)
-            self.topics: set[str] = set()
-            self.next_refresh = 0.0
-            self._refresh_topics()
+            self.group.subscribe(topics=[self.retry], listener=_Listener(self))
+            self.data = KafkaConsumer(
+                **driver.common,
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_poll_records=500,
+                fetch_max_wait_ms=100,
+            )
         except Exception as exc:
+            if self.group is not None:
+                with contextlib.suppress(Exception):
+                    self.group.close(autocommit=False)
             raise _native(exc, f"cannot join group {spec.name!r}", driver.url) from exc
-        self.thread = threading.Thread(target=self._run, name=f"mqa-kafka-{spec.name}",
-                                       daemon=True)
-        self.thread.start()
+        self.group_thread = threading.Thread(
+            target=self._run_group, name=f"mqa-kafka-g-{spec.name}", daemon=True)
+        self.data_thread = threading.Thread(
+            target=self._run_data, name=f"mqa-kafka-d-{spec.name}", daemon=True)
+        self.group_thread.start()
+        self.data_thread.start()
         # Wait for the first assignment so that consumers subscribed one after another
         # settle before they receive (fewer rebalances that take in-flight messages away).
-        self.assigned_once.wait(opts["session_timeout_ms"] / 1000 * 2 + 5)
+        self.assigned_once.wait(opts["session_timeout_ms"] / 1000 * 3 + 5)
 
-    # -- background thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- group thread ------------------------------------------------------------------------
+    def _run_group(self) -> None:
         try:
-            while not self.stopping:
-                self._refresh_topics()
-                self._tick()
-                recs = self.consumer.poll(timeout_ms=self._poll_ms(), max_records=500)
+            while not self.group_stopping:
+                recs = self.group.poll(timeout_ms=200, max_records=500)
                 if recs:
                     self._ingest(recs)
                 if self.new_assignment is not None:
                     self._take_assignment()
+                self._commit(sync=False)
         except Exception as exc:
-            log.warning("kafka: consumer of %s stopped: %s", self.spec.name, redact(str(exc)))
+            log.warning("kafka: group consumer of %s stopped: %s", self.spec.name,
+                        redact(str(exc)))
             self.error = exc
         finally:
             with contextlib.suppress(Exception):
                 self._commit(sync=True)
             with contextlib.suppress(Exception):
-                self.consumer.close(autocommit=False)
+                self.group.close(autocommit=False)
             with self.cv:
                 self.cv.notify_all()
             self.assigned_once.set()
 
-    def _refresh_topics(self) -> None:
-        """Regex subscription, matched here rather than by kafka-python.
+    def _commit(self, sync: bool) -> None:
+        offsets = self._commit_offsets(None)
+        if not offsets:
+            return
+        if sync:
+            self.group.commit(offsets)
+            self._committed(offsets, None)
+        else:
+            self.group.commit_async(offsets, callback=self._committed)
 
-        kafka-python 3.0's pattern subscription can hang in ``poll`` while it waits for a
-        metadata refresh (seen against tansu); a topic list that we refresh every
-        ``metadata_max_age_ms`` has no such wait and behaves the same: a topic created
-        later joins the subscription and is read from its first message.
+    def _committed(self, offsets: Mapping[TopicPartition, Any], error: Any) -> None:
+        """A commit failed (e.g. during a rebalance): try again with the next one."""
+        if isinstance(error, BaseException):
+            with self.lock:
+                for tp, oam in offsets.items():
+                    part = self.parts.get(tp)
+                    if part is not None and part.committed == oam.offset:
+                        part.committed = part.confirmed
+            return
+        with self.lock:
+            for tp, oam in offsets.items():
+                part = self.parts.get(tp)
+                if part is not None:
+                    part.confirmed = oam.offset
+
+    def _commit_offsets(
+        self, only: Collection[TopicPartition] | None
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+        with self.lock:
+            for tp, part in self.parts.items():
+                if only is not None and tp not in only:
+                    continue
+                point = part.commit_point()
+                if point is not None and point != part.committed:
+                    offsets[tp] = OffsetAndMetadata(point, "", -1)
+                    part.committed = point
+        return offsets
+
+    # -- rebalance (group consumer) -------------------------------------------------------
+    def revoked(self, revoked: Any) -> None:
+        slots = {tp.partition for tp in revoked if tp.topic == self.retry}
+        with self.lock:
+            gone = {tp for tp in self.parts
+                    if tp in set(revoked)
+                    or (tp.topic != self.retry and _slot(tp, self.slot_count) in slots)}
+        offsets = self._commit_offsets(gone)
+        if offsets:
+            try:  # non-blocking: sent before the JoinGroup that follows
+                self.group.commit_async(offsets)
+            except Exception as exc:  # the next owner re-delivers: at least once
+                log.info("kafka: commit on revoke of %s failed: %s", self.spec.name, exc)
+        with self.cv:
+            for tp in gone:
+                part = self.parts.pop(tp, None)
+                if part is None:
+                    continue
+                stash = [r for r in self.ready if r.tp == tp]
+                stash += [r for _, _, r in self.held if r.tp == tp]
+                part.revoked_at = part.committed
+                self.suspended[tp] = (part, stash)
+            self.ready = deque(r for r in self.ready if r.tp not in gone)
+            self.held = [h for h in self.held if h[2].tp not in gone]
+            heapq.heapify(self.held)
+            self.slots -= slots
+            self.slot_version += 1
+
+    def assigned(self, assigned: Any) -> None:
+        # Only bookkeeping here: positions are set by the group thread.
+        assigned = set(assigned)
+        if assigned:
+            self.group.pause(*assigned)
+        with self.lock:
+            self.new_assignment = assigned
+
+    def _take_assignment(self) -> None:
+        with self.lock:
+            assigned, self.new_assignment = self.new_assignment, None
+        if assigned is None:
+            return
+        committed = {tp: self.group.committed(tp) for tp in assigned}
+        marks = self.d.read_marks(self.spec.name)
+        fresh = self._adopt(assigned, committed, marks, self.group)
+        for tp in fresh:
+            self.group.seek_to_beginning(tp)  # the retry topic belongs to the group
+            if committed.get(tp) is not None:
+                self.group.seek(tp, committed[tp])
+        if assigned:
+            self.group.resume(*assigned)
+        with self.cv:
+            self.slots = {tp.partition for tp in assigned}
+            self.slot_version += 1
+            self.cv.notify_all()
+
+    def _adopt(self, assigned: Collection[TopicPartition],
+               committed: Mapping[TopicPartition, int | None],
+               marks: Mapping[TopicPartition, int], consumer: Any) -> list[TopicPartition]:
+        """Take partitions over: keep our in-flight state where nobody committed since we
+        had them; return the partitions that need a start position."""
+        fresh: list[TopicPartition] = []
+        with self.cv:
+            now = time.time()
+            for tp in assigned:
+                offset = committed.get(tp)
+                old = self.suspended.pop(tp, None)
+                if old is not None and old[0].revoked_at == offset and old[0].next_fetch:
+                    part, stash = old
+                    self.parts[tp] = part
+                    consumer.seek(tp, part.next_fetch)
+                    for rec in stash:
+                        if rec.due > now:
+                            heapq.heappush(self.held, (rec.due, next(self.seq), rec))
+                        else:
+                            self.ready.append(rec)
+                    continue
+                self.parts[tp] = _Part(offset, marks.get(tp, 0))
+                fresh.append(tp)
+            # Leases on partitions that are not ours any more are stale now.
+            for token, rec in list(self.leased.items()):
+                if rec.tp in fresh:
+                    del self.leased[token]
+            self.cv.notify_all()
+        return fresh
+
+    # -- data thread --------------------------------------------------------------------------
+    def _run_data(self) -> None:
+        try:
+            while not self.stopping:
+                self._refresh_data()
+                self._tick()
+                if not self.data_assigned:
+                    wait = min(0.2, self._poll_ms() / 1000)
+                    with self.cv:
+                        if not self.stopping:
+                            self.cv.wait(wait)
+                    continue
+                recs = self.data.poll(timeout_ms=self._poll_ms(), max_records=500)
+                if recs:
+                    self._ingest(recs)
+        except Exception as exc:
+            log.warning("kafka: consumer of %s stopped: %s", self.spec.name, redact(str(exc)))
+            self.error = exc
+        finally:
+            with contextlib.suppress(Exception):
+                self.data.close(autocommit=False)
+            with self.cv:
+                self.cv.notify_all()
+            self.assigned_once.set()
+
+    def _refresh_data(self) -> None:
+        """Assign the data consumer the matching partitions of our slots.
+
+        Pattern matching is ours (kafka-python 3.0's pattern subscription can hang in
+        ``poll`` while it waits for metadata, seen against tansu). The topic list is read
+        every ``metadata_max_age_ms``, and at once when this process created a topic.
         """
         now = time.monotonic()
-        if now < self.next_refresh:
+        with self.lock:
+            version, slots = self.slot_version, set(self.slots)
+        topics_changed = self.d.topic_version != self.topic_version
+        if version == self.applied_version and now < self.next_refresh and not topics_changed:
             return
-        self.next_refresh = now + self.d.opts["metadata_max_age_ms"] / 1000
-        names = {t for t in self.consumer.topics() if self.regex.match(t)}
-        names.add(self.retry)
-        if names != self.topics:
-            self.topics = names
-            self.consumer.subscribe(topics=sorted(names), listener=self.listener)
+        if now >= self.next_refresh or topics_changed:
+            self.topic_version = self.d.topic_version
+            self.next_refresh = now + self.d.opts["metadata_max_age_ms"] / 1000
+            self.matched = {t for t in self.data.topics()
+                            if self.regex.match(t) and not t.startswith(INTERNAL)}
+        wanted: set[TopicPartition] = set()
+        for topic in self.matched:
+            for p in self.data.partitions_for_topic(topic) or ():
+                tp = TopicPartition(topic, p)
+                if _slot(tp, self.slot_count) in slots:
+                    wanted.add(tp)
+        new = wanted - self.data_assigned
+        if wanted != self.data_assigned:
+            with self.cv:
+                for tp in self.data_assigned - wanted:
+                    self.parts.pop(tp, None)
+                self.ready = deque(r for r in self.ready
+                                   if r.tp.topic == self.retry or r.tp in wanted)
+                for token, rec in list(self.leased.items()):
+                    if rec.tp.topic != self.retry and rec.tp not in wanted:
+                        del self.leased[token]
+            self.data.assign(sorted(wanted))
+            self.data_assigned = wanted
+            if self.paused and wanted:
+                self.data.pause(*wanted)
+        if new:
+            committed = self.d.committed(self.spec.name, new)
+            marks = self.d.read_marks(self.spec.name)
+            start = []
+            for tp in self._adopt(new, committed, marks, self.data):
+                if committed.get(tp) is not None:
+                    self.data.seek(tp, committed[tp])
+                else:
+                    start.append(tp)
+            if start:
+                self._seek_start(start)
+        with self.cv:
+            # Suspended data partitions that did not come back went to another member.
+            if version == self.slot_version and slots:
+                for tp in [t for t in self.suspended if t.topic != self.retry]:
+                    if tp not in wanted:
+                        del self.suspended[tp]
+        self.applied_version = version
+        if version > 0 and slots:
+            self.assigned_once.set()
+
+    def _seek_start(self, tps: Collection[TopicPartition]) -> None:
+        """Where a group starts on partitions it never committed: its declaration time.
+
+        The first record at or after the declaration (``offsets_for_times``). When there
+        is none, every record present is older, so the group starts at the end offset
+        read *before* that query: a record written in between is not skipped (a lazy
+        ``seek_to_end`` would skip it). tansu may report an end that is too low after a
+        batched produce, and answers ``offsets_for_times`` with offset 0 / timestamp -1
+        instead of no offset: both only make us read older records, which ``_decode``
+        drops by timestamp, so this is right on Apache Kafka and on tansu.
+        """
+        ends = self.data.end_offsets(list(tps))
+        found = self.data.offsets_for_times({tp: self.declared_ms for tp in tps})
+        for tp in tps:
+            hit = found.get(tp)
+            if hit is not None and hit.timestamp != _TANSU_NO_TS:
+                self.data.seek(tp, hit.offset)
+            else:
+                self.data.seek(tp, ends.get(tp, 0))
 
     def _poll_ms(self) -> int:
-        """Sleep in poll until the next due record, lease end or hand-off check.
-
-        Long polls matter: kafka-python 3.0 abandons a group join whose SyncGroup answer
-        arrives while no poll is waiting, so short polls with work in between make joins
-        repeat (seen against tansu).
-        """
+        """Sleep in poll until the next due record, lease end or hand-off check."""
         now = time.time()
-        wake = now + 0.5
+        wake = now + 0.2
         with self.lock:
             if self.held:
                 wake = min(wake, self.held[0][0])
@@ -751,7 +1013,8 @@ class KafkaSubscription(DriverSubscription):
             for token, rec in list(self.leased.items()):
                 if rec.deadline <= now:
                     del self.leased[token]
-                    expired.append(rec)
+                    if rec.tp in self.parts:  # else the partition moved: its owner redelivers
+                        expired.append(rec)
             released = False
             while self.held and self.held[0][0] <= now:
                 _, _, rec = heapq.heappop(self.held)
@@ -768,14 +1031,12 @@ class KafkaSubscription(DriverSubscription):
         for rec in handoff:
             self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
         limit = self.d.opts["max_buffered"]
-        assigned = self.consumer.assignment()
-        if buffered > limit and not self.paused and assigned:
-            self.consumer.pause(*assigned)
+        if buffered > limit and not self.paused and self.data_assigned:
+            self.data.pause(*self.data_assigned)
             self.paused = True
         elif buffered <= limit // 2 and self.paused:
-            self.consumer.resume(*self.consumer.paused())
+            self.data.resume(*self.data.paused())
             self.paused = False
-        self._commit(sync=False)
 
     def _pick_handoff(self) -> list[_Rec]:
         """Ready records nobody here asks for go to another consumer of the group.
@@ -862,148 +1123,6 @@ class KafkaSubscription(DriverSubscription):
         except ValueError:
             rec.published_at, rec.n, rec.due = r.timestamp / 1000, 0, 0.0
         return rec
-
-    def _commit(self, sync: bool) -> None:
-        offsets = self._commit_offsets(None)
-        if not offsets:
-            return
-        if sync:
-            self.consumer.commit(offsets)
-        else:
-            self.consumer.commit_async(offsets)
-
-    def _commit_offsets(
-        self, only: Collection[TopicPartition] | None
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
-        with self.lock:
-            for tp, part in self.parts.items():
-                if only is not None and tp not in only:
-                    continue
-                point = part.commit_point()
-                if point is not None and point != part.committed:
-                    offsets[tp] = OffsetAndMetadata(point, "", -1)
-                    part.committed = point
-        return offsets
-
-    # -- rebalance --------------------------------------------------------------------------
-    # kafka-python 3 runs rebalance listeners on its IO thread, where blocking consumer
-    # calls are refused: commits and offset fetches here use the coordinator's coroutines,
-    # and the rest (start offsets by time, delivery marks) is done by the background thread
-    # while the new partitions stay paused.
-    def revoked(self, revoked: Any) -> None:
-        offsets = self._commit_offsets(set(revoked))
-        if offsets:
-            try:  # non-blocking: sent before the JoinGroup that follows
-                self.consumer.commit_async(offsets)
-            except Exception as exc:  # the next owner re-delivers: at least once
-                log.info("kafka: commit on revoke of %s failed: %s", self.spec.name, exc)
-        with self.cv:
-            for tp in revoked:
-                part = self.parts.pop(tp, None)
-                if part is None:
-                    continue
-                stash = [r for r in self.ready if r.tp == tp]
-                stash += [r for _, _, r in self.held if r.tp == tp]
-                part.revoked_at = part.committed
-                self.suspended[tp] = (part, stash)
-            gone = set(revoked)
-            self.ready = deque(r for r in self.ready if r.tp not in gone)
-            self.held = [h for h in self.held if h[2].tp not in gone]
-            heapq.heapify(self.held)
-
-    def assigned(self, assigned: Any) -> None:
-        # Only bookkeeping here: positions are set by the background thread.
-        assigned = set(assigned)
-        if assigned:
-            self.consumer.pause(*assigned)
-        with self.lock:
-            self.new_assignment = assigned
-
-    def _take_assignment(self) -> None:
-        with self.lock:
-            assigned, self.new_assignment = self.new_assignment, None
-        if assigned is None:
-            return
-        committed = {tp: self.consumer.committed(tp) for tp in assigned}
-        self._assign(assigned, committed)
-        self._start_pending()
-        self.assigned_once.set()
-
-    def _assign(self, assigned: set[TopicPartition],
-                committed: Mapping[TopicPartition, int | None]) -> None:
-        fresh: dict[TopicPartition, _Part] = {}
-        keep: dict[TopicPartition, tuple[_Part, list[_Rec]]] = {}
-        for tp in assigned:
-            offset = committed.get(tp)
-            old = self.suspended.pop(tp, None)
-            if old is not None and old[0].revoked_at == offset and old[0].next_fetch:
-                # Came back to us and nobody committed meanwhile: keep our in-flight state.
-                keep[tp] = old
-                self.consumer.seek(tp, old[0].next_fetch)
-                continue
-            fresh[tp] = _Part(offset, 0)
-        with self.cv:
-            # Partitions that went elsewhere: their leases are stale now.
-            dropped = set(self.suspended)
-            self.suspended.clear()
-            for token, rec in list(self.leased.items()):
-                if rec.tp in dropped or rec.tp in fresh:
-                    del self.leased[token]
-            self.parts.update(fresh)
-            self.pending.update(fresh)
-            now = time.time()
-            for tp, (part, stash) in keep.items():
-                self.parts[tp] = part
-                for rec in stash:
-                    if rec.due > now:
-                        heapq.heappush(self.held, (rec.due, next(self.seq), rec))
-                    else:
-                        self.ready.append(rec)
-            self.cv.notify_all()
-        if keep and not self.paused:
-            self.consumer.resume(*keep)
-
-    def _start_pending(self) -> None:
-        """Position newly assigned partitions (background thread), then resume them."""
-        with self.lock:
-            pending = [tp for tp in self.pending if tp in self.parts]
-            self.pending.clear()
-        if not pending:
-            return
-        marks = self.d.read_marks(self.spec.name)
-        for tp in pending:
-            with self.lock:
-                part = self.parts.get(tp)
-                if part is None:
-                    continue
-                part.mark = marks.get(tp, 0)
-                offset = part.committed
-            if offset is None:
-                self._seek_start(tp)
-            else:
-                self.consumer.seek(tp, offset)
-        if not self.paused:
-            self.consumer.resume(*pending)
-
-    def _seek_start(self, tp: TopicPartition) -> None:
-        """Where a group starts on a partition it never committed: its declaration time.
-
-        Retry topics belong to the group: from the beginning. Other topics: the first
-        record at or after the declaration (``offsets_for_times``, correct on Apache
-        Kafka). When there is none, the end; tansu may report an end that is too low after
-        a batched produce, and answers ``offsets_for_times`` with offset 0 / timestamp -1
-        instead of no offset: both only make us read older records, which ``_decode``
-        drops by timestamp, so the result is right on both brokers.
-        """
-        if tp.topic == self.retry:
-            self.consumer.seek_to_beginning(tp)
-            return
-        found = self.consumer.offsets_for_times({tp: self.declared_ms}).get(tp)
-        if found is not None and found.timestamp != _TANSU_NO_TS:
-            self.consumer.seek(tp, found.offset)
-        else:
-            self.consumer.seek_to_end(tp)
 
     # -- application side ------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -1137,5 +1256,10 @@ class KafkaSubscription(DriverSubscription):
             self.closed = True
             self.cv.notify_all()
         self.stopping = True
-        if self.thread is not threading.current_thread():
-            self.thread.join(30)
+        me = threading.current_thread()
+        if self.data_thread is not me:
+            self.data_thread.join(30)
+        # The group thread last: its final commit covers what the data thread settled.
+        self.group_stopping = True
+        if self.group_thread is not me:
+            self.group_thread.join(30)
