@@ -30,6 +30,7 @@ import uuid
 import zlib
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from kafka import (
@@ -179,6 +180,36 @@ class KafkaDriver(Driver):
         "ssl_check_hostname": Option(bool, True, "verify the broker's host name"),
     }
 
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities(
+        features={
+            Feature.WILDCARDS: Support.EMULATED,
+            Feature.FANOUT: Support.NATIVE,
+            Feature.COMPETING: Support.NATIVE,
+            Feature.LEASE_EXTEND: Support.EMULATED,
+            Feature.NACK_DELAY: Support.EMULATED,
+            Feature.DELAY: Support.EMULATED,
+            Feature.PRIORITY: Support.UNSUPPORTED,
+            Feature.ORDERING: Support.NATIVE,
+            Feature.DEAD_LETTER: Support.EMULATED,
+            Feature.BATCH: Support.NATIVE,
+        },
+        # Apache's default message.max.bytes is 1 MiB + 12 per batch; keep room for
+        # headers (16 KiB) and ours.
+        max_body_bytes=1_000_000,
+        max_headers=64,
+        max_header_bytes=16 * 1024,
+        # Topics keep records 7 days by default: a delayed record must outlive its delay.
+        max_delay=6 * 86400.0,
+        max_batch=10_000,
+        max_priority=0,
+        max_receive=1000,
+        max_consumers_per_group=4,  # the default ``partitions``
+        notes={
+            Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
+            "partitions by priority would only reorder what one consumer has fetched",
+        },
+    )
+
     def __init__(self, url: BrokerURL, opts: dict[str, Any]) -> None:
         self.url = url
         self.opts = opts
@@ -211,35 +242,9 @@ class KafkaDriver(Driver):
                 f"cannot connect to {url.redacted()}: {type(exc).__name__}: "
                 f"{redact(str(exc))[:300]}"
             ) from exc
-        self._caps = Capabilities(
-            features={
-                Feature.WILDCARDS: Support.EMULATED,
-                Feature.FANOUT: Support.NATIVE,
-                Feature.COMPETING: Support.NATIVE,
-                Feature.LEASE_EXTEND: Support.EMULATED,
-                Feature.NACK_DELAY: Support.EMULATED,
-                Feature.DELAY: Support.EMULATED,
-                Feature.PRIORITY: Support.UNSUPPORTED,
-                Feature.ORDERING: Support.NATIVE,
-                Feature.DEAD_LETTER: Support.EMULATED,
-                Feature.BATCH: Support.NATIVE,
-            },
-            # Apache's default message.max.bytes is 1 MiB + 12 per batch; keep room for
-            # headers (16 KiB) and ours.
-            max_body_bytes=1_000_000,
-            max_headers=64,
-            max_header_bytes=16 * 1024,
-            # Topics keep records 7 days by default: a delayed record must outlive its delay.
-            max_delay=6 * 86400.0,
-            max_batch=10_000,
-            max_priority=0,
-            max_receive=1000,
-            max_consumers_per_group=self.partitions,
-            notes={
-                Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
-                "partitions by priority would only reorder what one consumer has fetched",
-            },
-        )
+        # The only instance refinement: competing consumers are bounded by the partitions
+        # this driver creates (retry topics included, whose partitions are the slots).
+        self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions)
 
     # -- setup -------------------------------------------------------------------------------
     @staticmethod
