@@ -80,8 +80,11 @@ def declare(url: str, group: str, pattern: str) -> None:
         mq.declare(group, pattern)
 
 
-def drain(url: str, group: str, pattern: str, expected: int, timeout: float = 90.0) -> list[Got]:
-    """Receive and ack until ``expected`` messages arrived and one more wait finds nothing."""
+def drain(
+    url: str, group: str, pattern: str, expected: int, timeout: float = 90.0, keep: bool = False
+) -> list[Got]:
+    """Receive and ack until ``expected`` messages arrived and one more wait finds nothing;
+    then delete the group (tests share real brokers) unless ``keep``."""
     out: list[Got] = []
     with mqabstract.connect(url) as mq:
         sub = mq.subscribe(group, pattern)
@@ -93,6 +96,9 @@ def drain(url: str, group: str, pattern: str, expected: int, timeout: float = 90
                 m.ack()
             if not msgs and len(out) >= expected:
                 break
+        sub.close()
+        if not keep:
+            mq.delete_group(group)
     return out
 
 
@@ -213,7 +219,7 @@ def test_json_binary_values_and_header_pairs(spark: Any, sqlite_url: str) -> Non
                          F.col("id").cast("string").cast("binary").alias("value"))).alias("headers"),
     )
     save(df, sqlite_url, topic=topic)
-    got = drain(sqlite_url, group, topic, 50)
+    got = drain(sqlite_url, group, topic, 50, keep=True)
     assert len(got) == 50
     for g in got:
         doc = json.loads(g.body)
