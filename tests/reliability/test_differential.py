@@ -211,7 +211,7 @@ def run(url: str, ordered: bool, ops: list[Op], wait: float) -> History:
 def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
     """Generated operation sequences: invariants hold on memory and on ``backend``, and the
     finally-settled id sets agree."""
-    stats = {"examples": 0, "messages": 0, "deliveries": 0, "dead": 0}
+    stats = {"examples": 0, "messages": 0, "delivered": 0, "dead_lettered": 0}
     wait = RECEIVE_WAIT[backend]
 
     # No shrinking on real brokers: every replay costs seconds of real waiting, and the
@@ -232,8 +232,13 @@ def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
         assert settled_ref == settled_got, (ops, settled_ref, settled_got)
         stats["examples"] += 1
         stats["messages"] += len(got.published)
-        stats["deliveries"] += len(got.deliveries)
-        stats["dead"] += len(got.dead)
+        stats["delivered"] += len(got.deliveries)
+        stats["dead_lettered"] += len(got.dead)
 
-    check()
+    try:
+        check()
+    except BaseException:
+        reporter.emit(scenario="differential (Hypothesis)", backend=backend, problems=1,
+                      **stats)
+        raise
     reporter.emit(scenario="differential (Hypothesis)", backend=backend, lost=0, **stats)

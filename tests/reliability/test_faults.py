@@ -43,10 +43,15 @@ PROCESS_BACKENDS = ("sqlite", "rabbitmq", "kafka", "sqs")
 QUIET = {"memory": 0.5, "sqlite": 1.0, "rabbitmq": 1.5, "sqs": 2.5, "kafka": 4.0}
 
 
-def _check(ledger: Ledger, reporter: Reporter, **row: object) -> None:
-    summary = ledger.summary()
+def _emit(ledger: Ledger, reporter: Reporter, **row: object) -> list[str]:
+    """Report the scenario's counts (also when it is about to fail); return problems."""
     problems = ledger.problems()
-    reporter.emit(**row, **summary, problems=len(problems))
+    reporter.emit(**row, **ledger.summary(), problems=len(problems))
+    return problems
+
+
+def _check(ledger: Ledger, reporter: Reporter, **row: object) -> None:
+    problems = _emit(ledger, reporter, **row)
     assert not problems, "\n".join(problems)
 
 
@@ -219,6 +224,8 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
+    problems = _emit(ledger, reporter, scenario="poison (handler raises)", backend=backend,
+                     kills=0, poison=len(poison))
     assert set(ledger.dead) == poison, f"dead letters {ledger.dead} != poison {poison}"
     assert all(n == 3 for n in ledger.dead.values()), ledger.dead
     firsts = {mid: a for mid, a, _ in ledger.deliveries if mid in normal}
@@ -226,8 +233,7 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
     # Not blocked: every other message was done before the poison ones were given up.
     assert max(acked_at.values()) < last_poison_failure[0]
     assert stats.dead_lettered == len(poison), stats
-    _check(ledger, reporter, scenario="poison (handler raises)", backend=backend,
-           kills=0, poison=len(poison))
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.backends(*PROCESS_BACKENDS)
@@ -266,12 +272,13 @@ def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
+    problems = _emit(ledger, reporter, scenario="poison (kills consumer)", backend=backend,
+                     kills=kills, seed=seed)
     assert kills == max_attempts, f"{kills} crashes for max_attempts={max_attempts}"
     seen = {mid: [a for m, a, _ in ledger.deliveries if m == mid] for mid in ledger.dead}
     assert list(ledger.dead) == [f"{tok}-5"], f"dead: {ledger.dead}; their deliveries {seen}"
     assert ledger.dead[f"{tok}-5"] == max_attempts
-    _check(ledger, reporter, scenario="poison (kills consumer)", backend=backend, kills=kills,
-           seed=seed)
+    assert not problems, "\n".join(problems)
 
 
 def test_memory_has_no_process_faults() -> None:
