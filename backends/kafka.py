@@ -220,6 +220,10 @@ class KafkaDriver(Driver):
         self._known: set[str] = set()
         self._declared: dict[str, int] = {}
         self.topic_version = 0
+        self._topics_lock = threading.Lock()
+        self._topics_at = float("-inf")
+        self._all_topics: set[str] = set()
+        self._meta: Any = None
         self._closed = False
         timeout = int(opts["connect_timeout"] * 1000)
         self.admin: Any = None
@@ -295,6 +299,22 @@ class KafkaDriver(Driver):
 
     def dead_topic(self, group: str) -> str:
         return _internal("d", group)
+
+    def topic_names(self) -> set[str]:
+        """Every topic name: the cluster's list at most ``metadata_max_age_ms`` old, shared by
+        this driver's subscriptions (listing all topics costs ~0.1 s on a busy cluster),
+        plus the topics this driver created, at once."""
+        with self._topics_lock:
+            now = time.monotonic()
+            if now - self._topics_at >= self.opts["metadata_max_age_ms"] / 1000:
+                try:
+                    if self._meta is None:
+                        self._meta = KafkaConsumer(**self.common, group_id=None)
+                    self._all_topics = set(self._meta.topics())
+                except Exception as exc:
+                    raise _native(exc, "cannot list topics", self.url) from exc
+                self._topics_at = now
+            return self._all_topics | self._known
 
     def ensure_topics(self, names: Collection[str], partitions: int | None = None,
                       compact: bool = False) -> None:
@@ -590,6 +610,9 @@ class KafkaDriver(Driver):
                 self.producer.close(timeout=5)
             with contextlib.suppress(Exception):
                 self.admin.close()
+            with self._topics_lock, contextlib.suppress(Exception):
+                if self._meta is not None:
+                    self._meta.close()
 
 
 def _shadow(group: str) -> str:
@@ -706,6 +729,7 @@ class KafkaSubscription(DriverSubscription):
         self.topic_version = -1
         self.next_refresh = 0.0
         self.matched: set[str] = set()
+        self.partitions: dict[str, set[int]] = {}
         opts = driver.opts
         self.group: Any = None
         try:
@@ -719,7 +743,7 @@ class KafkaSubscription(DriverSubscription):
                 session_timeout_ms=opts["session_timeout_ms"],
                 heartbeat_interval_ms=opts["heartbeat_interval_ms"],
                 max_poll_interval_ms=opts["max_poll_interval_ms"],
-                max_poll_records=500,
+                max_poll_records=1000,
                 fetch_max_wait_ms=100,
             )
             self.group.subscribe(topics=[self.retry], listener=_Listener(self))
@@ -728,7 +752,7 @@ class KafkaSubscription(DriverSubscription):
                 group_id=None,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
-                max_poll_records=500,
+                max_poll_records=1000,
                 fetch_max_wait_ms=100,
             )
         except Exception as exc:
@@ -750,7 +774,7 @@ class KafkaSubscription(DriverSubscription):
     def _run_group(self) -> None:
         try:
             while not self.group_stopping:
-                recs = self.group.poll(timeout_ms=200, max_records=500)
+                recs = self.group.poll(timeout_ms=200, max_records=1000)
                 if recs:
                     self._ingest(recs)
                 if self.new_assignment is not None:
@@ -905,7 +929,7 @@ class KafkaSubscription(DriverSubscription):
                         if not self.stopping:
                             self.cv.wait(wait)
                     continue
-                recs = self.data.poll(timeout_ms=self._poll_ms(), max_records=500)
+                recs = self.data.poll(timeout_ms=self._poll_ms(), max_records=1000)
                 if recs:
                     self._ingest(recs)
         except Exception as exc:
@@ -934,11 +958,15 @@ class KafkaSubscription(DriverSubscription):
         if now >= self.next_refresh or topics_changed:
             self.topic_version = self.d.topic_version
             self.next_refresh = now + self.d.opts["metadata_max_age_ms"] / 1000
-            self.matched = {t for t in self.data.topics()
+            self.matched = {t for t in self.d.topic_names()
                             if self.regex.match(t) and not t.startswith(INTERNAL)}
         wanted: set[TopicPartition] = set()
         for topic in self.matched:
-            for p in self.data.partitions_for_topic(topic) or ():
+            parts = self.partitions.get(topic)
+            if not parts:
+                # The producer's per-topic metadata: no full-cluster metadata request.
+                parts = self.partitions[topic] = self.d.producer.partitions_for(topic) or set()
+            for p in parts:
                 tp = TopicPartition(topic, p)
                 if _slot(tp, self.slot_count) in slots:
                     wanted.add(tp)
