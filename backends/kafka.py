@@ -730,6 +730,7 @@ class KafkaSubscription(DriverSubscription):
         self.next_refresh = 0.0
         self.matched: set[str] = set()
         self.partitions: dict[str, set[int]] = {}
+        self.names: dict[str, str] = {}  # Kafka topic -> mqabstract topic
         opts = driver.opts
         self.group: Any = None
         try:
@@ -1124,8 +1125,13 @@ class KafkaSubscription(DriverSubscription):
                 self.cv.notify_all()
 
     def _decode(self, tp: TopicPartition, r: Any, retry: bool) -> _Rec | None:
-        headers = _hdr(r.headers) if r.headers else {}
-        meta = {k: headers.pop(k) for k in [k for k in headers if k.startswith("mq-")]}
+        headers: dict[str, str] = {}
+        meta: dict[str, str] = {}
+        for k, v in r.headers or ():
+            if k.startswith("mq-"):
+                meta[k] = v.decode("utf-8", "replace") if v else ""
+            else:
+                headers[k] = v.decode("utf-8", "replace") if v else ""
         if retry:
             topic = meta.get(H_TOPIC, "")
         else:
@@ -1138,7 +1144,9 @@ class KafkaSubscription(DriverSubscription):
                 if not topic or not topic_matches(self.spec.pattern, topic):
                     return None
             else:
-                topic = _unescape(tp.topic[len(self.d.prefix):])
+                topic = self.names.get(tp.topic)
+                if topic is None:
+                    topic = self.names[tp.topic] = _unescape(tp.topic[len(self.d.prefix):])
         rec = _Rec(tp, r.offset)
         rec.topic = topic
         rec.body = r.value if r.value is not None else b""
