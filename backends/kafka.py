@@ -4,8 +4,10 @@ Mapping (details and reasons in ``docs/backends/kafka.md``):
 
 * one Kafka topic per mqabstract topic, created on demand with ``partitions`` partitions;
   ``key`` is the Kafka key, so per-key order is the partition's order;
-* a group is a Kafka consumer group subscribed by regex over the mapped topic names plus its
-  own retry topic ``__mqa..r..<group>``; its dead letters live in ``__mqa..d..<group>``;
+* a group is a Kafka consumer group whose members subscribe to the group's retry topic
+  ``__mqa..r..<group>`` only; each member reads, by manual assignment, the partitions of
+  the topics matching the pattern (our regex) that map to the retry partitions it owns
+  (``_slot``), so new topics need no rebalance; dead letters live in ``__mqa..d..<group>``;
 * the group's declaration time is stored as a committed offset of the group on the
   internal topic ``__mqa..groups`` (durable, shared between processes);
 * per-message ack on top of offsets: only the contiguous acked prefix of each partition is
@@ -13,6 +15,8 @@ Mapping (details and reasons in ``docs/backends/kafka.md``):
 * nack, lease expiry, delay and replay re-publish the message to the group's retry topic
   with its due time and delivery count in headers; a background thread per consumer
   holds records that are not due yet and hands them out when they are.
+
+Every tansu workaround here is also correct on Apache Kafka; each says so where it is made.
 """
 
 from __future__ import annotations
@@ -421,7 +425,8 @@ class KafkaDriver(Driver):
         """When the group was declared (epoch ms), stored as its committed offset on the
         registry topic: durable, visible to every process, no extra topic per group.
 
-        (Offset-commit metadata would be the obvious place, but tansu drops it.)
+        (Offset-commit metadata would be the obvious place, but tansu drops it. A committed
+        offset is just as durable on Apache Kafka, so this is right on both.)
         """
         if group in self._declared:
             return self._declared[group]
