@@ -24,6 +24,7 @@ delayed row becomes ready again. Partial indexes keep the ready set ordered by
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import sqlite3
@@ -230,6 +231,10 @@ class SQLiteDriver(Driver):
         if sync not in _SYNC:
             raise InvalidArgument(f"option synchronous must be one of {', '.join(_SYNC)}")
         self.synchronous = _SYNC[sync]
+        for name in ("busy_timeout", "poll_min", "poll_max"):
+            value = float(opts[name])
+            if not math.isfinite(value) or value < 0:  # inf/nan would overflow or hang later
+                raise InvalidArgument(f"option {name} must be a finite number of seconds ≥ 0")
         self.busy_timeout = float(opts["busy_timeout"])
         self.poll_min = max(0.001, float(opts["poll_min"]))
         self.poll_max = max(self.poll_min, float(opts["poll_max"]))
