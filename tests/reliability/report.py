@@ -25,7 +25,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         key = (row["scenario"], row["backend"])
         cell = sums[key]
         cell["runs"] += 1
-        for col in (*COLUMNS, "messages", "examples", "inputs", "accepted", "rejected"):
+        for col in (*COLUMNS, "messages", "examples", "inputs", "accepted", "rejected",
+                    "poison"):
             if isinstance(row.get(col), int):
                 cell[col] += row[col]
     lines = [
@@ -45,6 +46,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             messages = str(c["messages"])
         else:
             injected = f"{c['kills']} x {scenario}"
+            if c.get("poison"):
+                injected = f"{c['poison']} poison messages"
+                if c.get("kills"):
+                    injected += f", {c['kills']} consumer crashes"
             messages = str(c["confirmed"])
             if c.get("in_flight"):
                 messages += f" (+{c['in_flight']} in flight)"
@@ -52,7 +57,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         if c.get("lost_by_dev_broker"):
             lost += f" (+{c['lost_by_dev_broker']} wiped by the non-durable dev broker)"
         if c.get("problems"):
-            lost += f" — {c['problems']} invariant violations"
+            lost += f" — **{c['problems']} invariant violation(s)**"
         lines.append(
             f"| {scenario} | {backend} | {injected} | {messages} | {c.get('delivered', '—')} "
             f"| {c.get('duplicates', '—')} | {c.get('dead_lettered', c.get('dead', '—'))} "

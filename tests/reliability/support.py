@@ -135,6 +135,14 @@ class Ledger:
         if bad_attempts:
             sample = dict(list(bad_attempts.items())[:3])
             out.append(f"attempts not strictly increasing per id: {sample}")
+        counts: dict[str, int] = defaultdict(int)
+        for mid, _, _ in self.deliveries:
+            counts[mid] += 1
+        early = {m: (n, counts[m]) for m, n in self.dead.items() if counts[m] < n}
+        if early:
+            sample = dict(list(early.items())[:4])
+            out.append("dead-lettered with more attempts than deliveries "
+                       f"(id: (attempts, deliveries seen)): {sample}")
         return out
 
     def summary(self) -> dict[str, Any]:
