@@ -17,6 +17,14 @@ from pathlib import Path
 import pytest
 
 BACKEND_ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "sqs")
+# Under pytest-xdist (--dist loadgroup) these files run on one worker each: private broker
+# processes and the shared SparkSession must not be started twice at once.
+_SERIAL_GROUPS = {
+    "test_brokerctl.py": "private-brokers",
+    "test_rabbitmq.py": "private-brokers",
+    "test_broker_restart.py": "private-brokers",
+    "spark": "spark",
+}
 BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
 
 
@@ -49,3 +57,11 @@ def mq_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
         return resolve_url(raw)
     return raw
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.parts
+        for key, group in _SERIAL_GROUPS.items():
+            if key == item.path.name or key in parts[:-1]:
+                item.add_marker(pytest.mark.xdist_group(group))
