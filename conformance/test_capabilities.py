@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -94,3 +95,39 @@ def test_repr_and_errors_hide_secrets(mq_ctx: Ctx) -> None:
     else:
         with broker:
             assert secret not in repr(broker) and secret not in broker.url
+
+
+def _unreachable(url: str, token: str) -> str | None:
+    """The same URL pointed at something that cannot answer (None: process-local)."""
+    parsed = mqabstract.BrokerURL.parse(url)
+    endpoint = parsed.param("endpoint_url")
+    if endpoint:
+        return url.replace(endpoint, "http://127.0.0.1:9", 1)
+    if parsed.hosts:
+        hosts = ",".join(f"{h}:{p}" if p else h for h, p in parsed.hosts)
+        return url.replace(hosts, "127.0.0.1:9", 1)
+    if parsed.scheme == "sqlite":
+        return f"sqlite:////proc/mq-{token}/no/such/dir/x.db"
+    return None
+
+
+def test_unreachable_broker_fails_fast_with_redacted_url(mq_ctx: Ctx) -> None:
+    """A broker that is down gives ConnectionFailed within the timeout, never a hang."""
+    if not mq_ctx.caps.shared_between_processes:
+        pytest.skip(f"{mq_ctx.broker.backend} is process-local: there is no endpoint to lose")
+    bad = _unreachable(mq_ctx.url, mq_ctx.token)
+    if bad is None:
+        pytest.fail(f"don't know how to make {mq_ctx.broker.url} unreachable; extend the suite")
+    parsed = mqabstract.BrokerURL.parse(bad)
+    started = time.monotonic()
+    with pytest.raises(mqabstract.ConnectionFailed) as info:
+        broker = mqabstract.connect(bad)  # lazily connecting drivers fail on first use
+        try:
+            broker.publish(mq_ctx.topic("x"), b"x")
+        finally:
+            broker.close()
+    elapsed = time.monotonic() - started
+    assert elapsed < 60 * mq_ctx.scale, f"took {elapsed:.0f}s to report a dead broker"
+    assert info.value.retryable
+    if parsed.password:
+        assert f":{parsed.password}@" not in str(info.value)
