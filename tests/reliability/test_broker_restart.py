@@ -44,9 +44,9 @@ def _private(kind: str, state_dir: Path) -> Any:
 
 
 @pytest.fixture
-def private(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    """A private broker of the test's kind, stopped at teardown whatever happened."""
-    kind = request.param
+def private(backend: str, tmp_path: Path) -> Iterator[Any]:
+    """A private broker for ``backend``, stopped at teardown whatever happened."""
+    kind = backend
     broker = _private(kind, tmp_path / "brokers")
     try:
         broker.start()
@@ -138,7 +138,7 @@ def _fresh_client_works(url: str, tok: str) -> str:
         return f"fails too: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-@pytest.mark.parametrize("private", ["rabbitmq", "kafka", "sqs"], indirect=True)
+@pytest.mark.backends("rabbitmq", "kafka", "sqs")
 def test_broker_restart(private: Any, reporter: Reporter) -> None:
     """Restart the broker under a publisher thread and a consumer holding leases."""
     kind = private.kind
