@@ -480,6 +480,35 @@ class KafkaDriver(Driver):
         except Exception as exc:  # best effort: only the attempt count depends on it
             log.debug("kafka: delivery mark for %s not stored: %s", group, exc)
 
+    def takeovers(self, group: str, starts: Mapping[TopicPartition, int | None]
+                  ) -> dict[TopicPartition, int]:
+        """Count takeovers of partitions whose records were handed out but not committed.
+
+        Stored in a second shadow group as ``(committed offset + 1) * 1000 + count``: the
+        count restarts when the committed offset moved. A record re-read after k such
+        takeovers is delivered with attempt + k, so attempts keep growing across repeated
+        crashes (offset-commit metadata would hold this more simply; tansu drops it).
+        """
+        if not starts:
+            return {}
+        key = group + "..mqa-takeovers"
+        out: dict[TopicPartition, int] = {}
+        try:
+            with self._lock:
+                found = self.admin.list_group_offsets({key: list(starts)}).get(key, {})
+                for tp, start in starts.items():
+                    base = ((start if start is not None else -1) + 1) * 1000
+                    oam = found.get(tp)
+                    old = oam.offset if oam is not None and oam.offset >= 0 else -1
+                    out[tp] = old - base + 1 if base <= old < base + 999 else 1
+                self.admin.alter_group_offsets(key, {
+                    tp: OffsetAndMetadata(((starts[tp] if starts[tp] is not None else -1) + 1)
+                                          * 1000 + n, "", -1) for tp, n in out.items()})
+        except Exception as exc:  # best effort: only the attempt count depends on it
+            log.debug("kafka: takeover count for %s not stored: %s", group, exc)
+            return {tp: out.get(tp, 1) for tp in starts}
+        return out
+
     def read_marks(self, group: str) -> dict[TopicPartition, int]:
         try:
             with self._lock:
@@ -598,7 +627,8 @@ class KafkaDriver(Driver):
                 with contextlib.suppress(Exception):
                     self.admin.delete_topics(topics, raise_errors=False)
                 with contextlib.suppress(Exception):
-                    self.admin.delete_groups([group, _shadow(group)])
+                    self.admin.delete_groups([group, _shadow(group),
+                                              group + "..mqa-takeovers"])
         except Exception as exc:  # pragma: no cover - suppressed above
             raise _native(exc, f"cannot delete group {group!r}", self.url) from exc
         self._known.difference_update(topics)
@@ -627,7 +657,8 @@ def _shadow(group: str) -> str:
 class _Part:
     """Offsets of one assigned partition: fetched, acked, committed."""
 
-    __slots__ = ("committed", "confirmed", "done", "mark", "next_fetch", "order", "revoked_at")
+    __slots__ = ("bump", "committed", "confirmed", "done", "mark", "next_fetch", "order",
+                 "revoked_at")
 
     def __init__(self, committed: int | None, mark: int) -> None:
         self.order: deque[int] = deque()  # fetched offsets not yet committed, in order
@@ -636,6 +667,7 @@ class _Part:
         self.confirmed = committed  # last commit the coordinator accepted
         self.next_fetch: int | None = None
         self.mark = mark  # records below were handed to an application before
+        self.bump = 1  # attempts to add to those: takeovers since the committed offset
         self.revoked_at: int | None = None
 
     def fetched(self, offset: int) -> None:
@@ -921,6 +953,15 @@ class KafkaSubscription(DriverSubscription):
                 if rec.tp in fresh:
                     del self.leased[token]
             self.cv.notify_all()
+        # Before the first fetch of these partitions (the caller positions them next).
+        bumps = self.d.takeovers(self.spec.name, {
+            tp: committed.get(tp) for tp in fresh
+            if marks.get(tp, 0) > (committed.get(tp) or 0)})
+        with self.lock:
+            for tp, bump in bumps.items():
+                part = self.parts.get(tp)
+                if part is not None:
+                    part.bump = bump
         return fresh
 
     # -- data thread --------------------------------------------------------------------------
@@ -1119,7 +1160,9 @@ class KafkaSubscription(DriverSubscription):
                         part.done.add(r.offset)
                         continue
                     if r.offset < part.mark:
-                        rec.n += 1  # handed out before by a consumer that died unsettled
+                        # Handed to an application before by owners that died or lost the
+                        # partition unsettled: one more attempt per such takeover.
+                        rec.n += part.bump
                     if rec.due > now:
                         heapq.heappush(self.held, (rec.due, next(self.seq), rec))
                     else:
@@ -1177,10 +1220,31 @@ class KafkaSubscription(DriverSubscription):
         if self.error is not None:
             raise _native(self.error, f"consumer of {self.spec.name!r} failed", self.d.url)
 
+    def _commit_acked(self) -> None:
+        """Commit what was acked so far, and wait for it.
+
+        Called before new records are handed out: a consumer that dies after this receive
+        then never gets its earlier acks redelivered (which would also count attempts
+        against messages that were done). kafka-python 3.0 runs the commit on the group
+        consumer's IO thread; its blocking facade may be called from any thread.
+        """
+        offsets = self._commit_offsets(None)
+        if not offsets:
+            return
+        try:
+            self.group.commit(offsets, timeout_ms=self.d.opts["request_timeout_ms"])
+        except Exception as exc:  # e.g. a rebalance: the group thread retries it
+            self._committed(offsets, exc)
+            log.debug("kafka: commit before receive on %s failed: %s", self.spec.name, exc)
+        else:
+            self._committed(offsets, None)
+
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout
         out: list[Delivery] = []
         marks: dict[TopicPartition, int] = {}
+        if not self.closed:
+            self._commit_acked()
         with self.cv:
             self._check_open()
             self.waiting += 1
