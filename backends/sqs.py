@@ -598,13 +598,20 @@ class SQSDriver(Driver):
         return str(self._call("find queue", self._sqs.get_queue_url, QueueName=name)["QueueUrl"])
 
     def declare(self, spec: GroupSpec) -> None:
-        self._declare(spec)
+        # Always make sure topic, queues and subscription exist (all idempotent in SQS/SNS):
+        # after a broker loss (a restarted moto, a deleted queue) a re-declare must repair.
+        self._declare(spec, force=True)
 
-    def _declare(self, spec: GroupSpec) -> _Group:
+    def _declare(self, spec: GroupSpec, force: bool = False) -> _Group:
         with self._lock:
             known = self._groups.get(spec.name)
-        if known is not None and known.pattern == spec.pattern and known.fifo == spec.ordered:
+        if (not force and known is not None and known.pattern == spec.pattern
+                and known.fifo == spec.ordered):
             return known
+        if force:
+            self._topic_arn = self._call(
+                "create the SNS topic", self._sns.create_topic, **self._topic_request()
+            )["TopicArn"]
         base, fifo_name, dlq_name = self._names(spec.name)
         tags = {"mqabstract:group": spec.name[:256], "mqabstract:pattern": spec.pattern[:256]}
         dlq_url = self._create_queue(dlq_name, False, 30, tags)
