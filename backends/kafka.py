@@ -221,6 +221,7 @@ class KafkaDriver(Driver):
         self.partitions: int = max(1, opts["partitions"])
         self.common = self._client_config(url, opts)
         self._lock = threading.Lock()  # admin client and caches
+        self._producer_lock = threading.Lock()
         self._known: set[str] = set()
         self._declared: dict[str, int] = {}
         self.topic_version = 0
@@ -233,15 +234,7 @@ class KafkaDriver(Driver):
         self.admin: Any = None
         try:
             self.admin = KafkaAdminClient(**self.common, bootstrap_timeout_ms=timeout)
-            self.producer = KafkaProducer(
-                **self.common,
-                acks="all",
-                enable_idempotence=True,
-                linger_ms=opts["linger_ms"],
-                max_request_size=1_048_576,
-                batch_size=256 * 1024,
-                bootstrap_timeout_ms=timeout,
-            )
+            self.producer = self._new_producer()
         except Exception as exc:
             if self.admin is not None:
                 with contextlib.suppress(Exception):
@@ -255,6 +248,36 @@ class KafkaDriver(Driver):
         self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions)
 
     # -- setup -------------------------------------------------------------------------------
+    def _new_producer(self) -> KafkaProducer:
+        return KafkaProducer(
+            **self.common,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=self.opts["linger_ms"],
+            max_request_size=1_048_576,
+            batch_size=256 * 1024,
+            bootstrap_timeout_ms=int(self.opts["connect_timeout"] * 1000),
+        )
+
+    def _renew_producer(self, failure: BaseException) -> None:
+        """Replace a producer that failed fatally (e.g. its idempotent producer id could not
+        be re-initialised after a broker restart: kafka-python then fails every later send).
+        A new producer gets a new producer id: right on Apache Kafka and on tansu."""
+        if not isinstance(failure, KafkaError) or getattr(failure, "retriable", False):
+            return
+        if "TooLarge" in type(failure).__name__ or "Invalid" in type(failure).__name__:
+            return  # about the record, not the producer
+        with self._producer_lock:
+            old = self.producer
+            try:
+                self.producer = self._new_producer()
+            except Exception as exc:  # broker still away: try again after the next failure
+                log.info("kafka: producer not renewed: %s", redact(str(exc)))
+                return
+        log.info("kafka: producer renewed after %s", type(failure).__name__)
+        with contextlib.suppress(Exception):
+            old.close(timeout=0)
+
     @staticmethod
     def _client_config(url: BrokerURL, opts: Mapping[str, Any]) -> dict[str, Any]:
         servers = [f"{h}:{p or 9092}" if ":" not in h else f"[{h}]:{p or 9092}"
@@ -381,6 +404,7 @@ class KafkaDriver(Driver):
         failed: dict[int, MQError] = {}
         done: list[str] = []
         meta: list[Any] = []
+        fatal: BaseException | None = None
         for i, fut in enumerate(futures):
             try:
                 if isinstance(fut, BaseException):
@@ -390,6 +414,9 @@ class KafkaDriver(Driver):
             except Exception as exc:
                 meta.append(None)
                 failed[i] = _native(exc, "publish failed", self.url)
+                fatal = fatal or exc
+        if fatal is not None:
+            self._renew_producer(fatal)
         if failed:
             if len(futures) == 1:
                 raise failed[0]
@@ -407,6 +434,7 @@ class KafkaDriver(Driver):
             self.producer.flush(timeout=self.opts["request_timeout_ms"] / 1000)
             return fut.get(timeout=self.opts["request_timeout_ms"] / 1000)
         except Exception as exc:
+            self._renew_producer(exc)
             raise _native(exc, f"cannot write to {topic}", self.url) from exc
 
     # -- groups --------------------------------------------------------------------------------
