@@ -46,30 +46,49 @@ _PATTERN_WORD = re.compile(r"[A-Za-z0-9_-]+|\*|#")
 _BAD_TEXT = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=8192)
+def _dotted_ok(value: str, max_len: int) -> bool:
+    return 0 < len(value) <= max_len and _DOTTED.fullmatch(value) is not None
+
+
+def _check_dotted(value: object, what: str, max_len: int) -> str:
+    """Topics, groups and header names: dot-separated words of ``[A-Za-z0-9_-]``.
+
+    The type is checked before the cache is consulted, so unhashable input gets a typed
+    error rather than the cache's TypeError.
+    """
+    if not isinstance(value, str):
+        raise InvalidName(f"{what} must be a str, not {type(value).__name__}")
+    if not _dotted_ok(value, max_len):
+        raise InvalidName(
+            f"invalid {what} {value[:80]!r}: use 1-{max_len} chars of dot-separated words "
+            "made of letters, digits, '_' and '-'"
+        )
+    return value
+
+
 def check_topic(topic: object) -> str:
     """Validate a topic: dot-separated words of ``[A-Za-z0-9_-]``."""
-    if not isinstance(topic, str):
-        raise InvalidName(f"topic must be a str, not {type(topic).__name__}")
-    if not topic or len(topic) > MAX_TOPIC_LEN or not _DOTTED.fullmatch(topic):
-        raise InvalidName(
-            f"invalid topic {topic[:80]!r}: use 1-{MAX_TOPIC_LEN} chars of dot-separated "
-            "words made of letters, digits, '_' and '-'"
-        )
-    return topic
+    return _check_dotted(topic, "topic", MAX_TOPIC_LEN)
+
+
+def check_group(group: object) -> str:
+    """Validate a group name (same alphabet as topics)."""
+    return _check_dotted(group, "group", MAX_GROUP_LEN)
 
 
 @lru_cache(maxsize=1024)
+def _pattern_ok(pattern: str) -> bool:
+    return 0 < len(pattern) <= MAX_TOPIC_LEN and all(
+        _PATTERN_WORD.fullmatch(w) for w in pattern.split(".")
+    )
+
+
 def check_pattern(pattern: object) -> str:
     """Validate a subscription pattern: words, ``*`` (one word) and ``#`` (zero or more)."""
     if not isinstance(pattern, str):
         raise InvalidName(f"pattern must be a str, not {type(pattern).__name__}")
-    words = pattern.split(".")
-    if (
-        not pattern
-        or len(pattern) > MAX_TOPIC_LEN
-        or not all(_PATTERN_WORD.fullmatch(w) for w in words)
-    ):
+    if not _pattern_ok(pattern):
         raise InvalidName(
             f"invalid pattern {pattern[:80]!r}: dot-separated words, '*' for one word, "
             "'#' for zero or more words"
@@ -77,32 +96,14 @@ def check_pattern(pattern: object) -> str:
     return pattern
 
 
-@lru_cache(maxsize=1024)
-def check_group(group: object) -> str:
-    """Validate a group name (same alphabet as topics)."""
-    if not isinstance(group, str):
-        raise InvalidName(f"group must be a str, not {type(group).__name__}")
-    if not group or len(group) > MAX_GROUP_LEN or not _DOTTED.fullmatch(group):
-        raise InvalidName(
-            f"invalid group {group[:80]!r}: use 1-{MAX_GROUP_LEN} chars of dot-separated "
-            "words made of letters, digits, '_' and '-'"
-        )
-    return group
-
-
-@lru_cache(maxsize=4096)
 def check_header_name(name: object) -> str:
     """Validate a header name; ``mq-``, ``aws.`` and ``amazon.`` prefixes are reserved."""
-    if not isinstance(name, str):
-        raise InvalidName(f"header names must be str, not {type(name).__name__}")
-    if not name or len(name) > MAX_HEADER_NAME_LEN or not _DOTTED.fullmatch(name):
+    checked = _check_dotted(name, "header name", MAX_HEADER_NAME_LEN)
+    if checked.lower().startswith(RESERVED_HEADER_PREFIXES):
         raise InvalidName(
-            f"invalid header name {name[:80]!r}: use 1-{MAX_HEADER_NAME_LEN} chars of "
-            "dot-separated words made of letters, digits, '_' and '-'"
+            f"header name {checked!r} uses a reserved prefix {RESERVED_HEADER_PREFIXES}"
         )
-    if name.lower().startswith(RESERVED_HEADER_PREFIXES):
-        raise InvalidName(f"header name {name!r} uses a reserved prefix {RESERVED_HEADER_PREFIXES}")
-    return name
+    return checked
 
 
 def check_text_value(value: object, what: str, max_len: int | None = None) -> str:

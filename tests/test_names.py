@@ -75,3 +75,11 @@ def test_ids() -> None:
     for bad in ("", "a b", "é", "x" * 129, 7):
         with pytest.raises(InvalidArgument):
             names.check_id(bad)
+
+
+@pytest.mark.parametrize("value", [["a"], {"a": 1}, {1}, b"topic", 1.5])
+def test_unhashable_or_wrong_types_get_typed_errors(value: object) -> None:
+    for check in (names.check_topic, names.check_group, names.check_pattern,
+                  names.check_header_name):
+        with pytest.raises(InvalidName):
+            check(value)

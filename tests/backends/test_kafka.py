@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -28,22 +26,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def url() -> str:
     return resolve_url("kafka")
-
-
-@pytest.fixture
-def mq(url: str) -> Iterator[mqabstract.Broker]:
-    broker = mqabstract.connect(url)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def names(mq: mqabstract.Broker) -> Iterator[tuple[str, str]]:
-    """A unique (group, topic root); the group is deleted afterwards."""
-    token = "t" + secrets.token_hex(4)
-    group = f"interop-{token}"
-    yield group, f"it.{token}"
-    mq.delete_group(group)
 
 
 def _bootstrap(url: str) -> list[str]:

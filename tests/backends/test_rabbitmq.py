@@ -33,13 +33,6 @@ def token() -> str:
 
 
 @pytest.fixture
-def mq(url: str) -> Iterator[mqabstract.Broker]:
-    broker = mqabstract.connect(url)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
 def raw(url: str) -> Iterator[object]:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     yield conn.channel()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,22 +28,6 @@ def url() -> str:
         os.environ.setdefault(var, "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     return resolve_url("sqs")
-
-
-@pytest.fixture
-def mq(url: str) -> Iterator[mqabstract.Broker]:
-    broker = mqabstract.connect(url)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def names(mq: mqabstract.Broker) -> Iterator[tuple[str, str]]:
-    """A unique (group, topic root); the group is deleted afterwards."""
-    token = "t" + secrets.token_hex(4)
-    group = f"interop-{token}"
-    yield group, f"it.{token}"
-    mq.delete_group(group)
 
 
 def _raw(url: str) -> tuple[object, object]:
