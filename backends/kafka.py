@@ -949,9 +949,22 @@ class KafkaSubscription(DriverSubscription):
         if assigned:
             self.group.resume(*assigned)
         with self.cv:
+            self._forget_suspended([t for t in self.suspended
+                                    if t.topic == self.retry and t not in assigned])
             self.slots = {tp.partition for tp in assigned}
             self.slot_version += 1
             self.cv.notify_all()
+
+    def _forget_suspended(self, tps: Collection[TopicPartition]) -> None:
+        """Partitions that went to another member for good (lock held): their leases are
+        stale, the new owner redelivers from the committed offset."""
+        gone = set(tps)
+        for tp in gone:
+            self.suspended.pop(tp, None)
+        if gone:
+            for token, rec in list(self.leased.items()):
+                if rec.tp in gone:
+                    del self.leased[token]
 
     def _adopt(self, assigned: Collection[TopicPartition],
                committed: Mapping[TopicPartition, int | None],
@@ -1052,8 +1065,11 @@ class KafkaSubscription(DriverSubscription):
                     self.parts.pop(tp, None)
                 self.ready = deque(r for r in self.ready
                                    if r.tp.topic == self.retry or r.tp in wanted)
+                # Leases on partitions revoked for a rebalance (suspended) stay: the
+                # partition may come back with them.
                 for token, rec in list(self.leased.items()):
-                    if rec.tp.topic != self.retry and rec.tp not in wanted:
+                    if (rec.tp.topic != self.retry and rec.tp not in wanted
+                            and rec.tp not in self.suspended):
                         del self.leased[token]
             self.data.assign(sorted(wanted))
             self.data_assigned = wanted
@@ -1073,9 +1089,8 @@ class KafkaSubscription(DriverSubscription):
         with self.cv:
             # Suspended data partitions that did not come back went to another member.
             if version == self.slot_version and slots:
-                for tp in [t for t in self.suspended if t.topic != self.retry]:
-                    if tp not in wanted:
-                        del self.suspended[tp]
+                self._forget_suspended([t for t in self.suspended
+                                        if t.topic != self.retry and t not in wanted])
         self.applied_version = version
         if version > 0 and slots:
             self.assigned_once.set()
@@ -1108,7 +1123,8 @@ class KafkaSubscription(DriverSubscription):
             if self.held:
                 wake = min(wake, self.held[0][0])
             for rec in self.leased.values():
-                wake = min(wake, rec.deadline)
+                # (an expired lease on a suspended partition waits for the assignment)
+                wake = min(wake, max(rec.deadline, now + 0.05))
             if self.ready and not self.waiting:
                 wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
         return int(max(0.005, wake - now) * 1000)
@@ -1120,9 +1136,12 @@ class KafkaSubscription(DriverSubscription):
         with self.cv:
             for token, rec in list(self.leased.items()):
                 if rec.deadline <= now:
-                    del self.leased[token]
-                    if rec.tp in self.parts:  # else the partition moved: its owner redelivers
+                    if rec.tp in self.parts:
+                        del self.leased[token]
                         expired.append(rec)
+                    elif rec.tp not in self.suspended:
+                        del self.leased[token]  # the partition moved: its owner redelivers
+                    # else: revoked for a rebalance; decided when the assignment settles
             released = False
             while self.held and self.held[0][0] <= now:
                 _, _, rec = heapq.heappop(self.held)
