@@ -76,22 +76,28 @@ class Billing:
             self.orders[order["region"]] += 1
 
 
-def spark_session() -> Any:
-    """A quiet ``local[2]`` session with the sink registered."""
+def spark_session(master: str = "local[2]", app: str = "mqabstract-demo",
+                  **conf: str) -> Any:
+    """A quiet local session with the sink registered; ``conf`` adds Spark settings.
+
+    Shared by the demo and the sink's tests, so both run Spark the same way.
+    """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     from mqabstract.spark_sink import register
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("mqabstract-demo")
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
     )
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     return spark

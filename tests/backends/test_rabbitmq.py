@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import mqabstract
-from tests.brokers import resolve_url
+from tests.brokers import in_ci, resolve_url
 
 pika = pytest.importorskip("pika")
 
@@ -129,7 +129,10 @@ def private_rabbit(tmp_path: Path) -> Iterator[object]:
     try:
         brokerctl.rabbit_script("rabbitmq-server")
     except Exception as exc:  # no rabbitmq-server on this machine
-        pytest.skip(f"no rabbitmq-server to run a private node: {exc}")
+        reason = f"no rabbitmq-server to run a private node: {exc}"
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
     port = _free_port()
     node = brokerctl.PrivateRabbit(port=port, state_dir=tmp_path, dist_port=_free_port())
     node.start()
