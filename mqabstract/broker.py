@@ -159,8 +159,10 @@ class Message:
         self.id: str = delivery.id
         self.topic: str = delivery.topic
         self.body: bytes = delivery.body
+        # Read-only view, no copy: drivers hand over a mapping nobody else mutates.
         self.headers: Mapping[str, str] = (
-            MappingProxyType(dict(delivery.headers)) if delivery.headers else _EMPTY
+            MappingProxyType(delivery.headers)  # type: ignore[arg-type]
+            if delivery.headers else _EMPTY
         )
         self.key: str | None = delivery.key
         self.priority: int = delivery.priority
