@@ -43,6 +43,30 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    """Name the brokers the run talks to (version as the broker reports it, and origin)."""
+    urls = getattr(config.option, "mq_url", None) or []
+    kinds = [k for k in BROKER_KINDS if k in urls]
+    if not kinds or hasattr(config, "workerinput"):  # once, in the controlling process
+        return None
+    import brokerctl  # type: ignore[import-not-found]
+
+    import tests.brokers  # noqa: F401 - puts scripts/ on sys.path
+
+    lines = []
+    for row in brokerctl.status(kinds):
+        explicit = os.environ.get(brokerctl.ENV_URL_VARS[row["kind"]], "")
+        if explicit and explicit != row["url"]:
+            lines.append(f"broker {row['kind']}: {brokerctl.redact(explicit)} (given by env)")
+        elif row["listening"]:
+            url = brokerctl.redact(row["url"])
+            lines.append(f"broker {row['kind']}: {row['version']} at {url} "
+                         f"(from {row['origin']})")
+        else:
+            lines.append(f"broker {row['kind']}: none at {row['url']}")
+    return lines
+
+
 @pytest.fixture(scope="session")
 def mq_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """Resolve backend aliases to URLs (overrides the plugin's fixture)."""

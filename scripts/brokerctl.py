@@ -106,6 +106,11 @@ def broker_url(kind: str, port: int, host: str = HOST) -> str:
     raise ValueError(f"unknown broker kind {kind!r}; expected one of {NAMES}")
 
 
+def redact(url: str) -> str:
+    """*url* with any password replaced by ``***`` (for logs and test headers)."""
+    return re.sub(r"(//[^:/@]+:)[^@/]*@", r"\1***@", url)
+
+
 # --------------------------------------------------------------------------- probes
 
 
