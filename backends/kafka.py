@@ -44,6 +44,7 @@ from kafka import (
     KafkaProducer,
     TopicPartition,
 )
+from kafka import structs as _kstructs
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
@@ -53,6 +54,7 @@ from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
+    InvalidArgument,
     MessageTooLarge,
     MQError,
     NotFound,
@@ -85,6 +87,25 @@ HASHED = "__mqh.."
 REGISTRY = INTERNAL + "groups"
 
 _TANSU_NO_TS = -1
+
+# Every topic is created explicitly (ensure_topics: partitions, compaction). With the
+# clients' default, a metadata request for a topic that was deleted (delete_group) makes
+# Apache Kafka (auto.create.topics.enable=true) create it again, with the broker's default
+# partitions and cleanup policy: a retry topic with other slots, a dead-letter topic that
+# is not compacted, and "topic_id changed ... likely recreated" churn in every client.
+NO_AUTO_CREATE: dict[str, Any] = {"allow_auto_create_topics": False}
+_REBALANCING = getattr(getattr(_kstructs, "MemberState", None), "REBALANCING", "<rebalancing>")
+
+
+def _no_auto_create(client: Any) -> Any:
+    """kafka-python 3.0.12 takes ``allow_auto_create_topics`` but never hands it to the
+    cluster metadata that builds the requests: set it there too."""
+    for attr in ("_cluster", "_metadata"):
+        cluster = getattr(client, attr, None)
+        config = getattr(cluster, "config", None)
+        if isinstance(config, dict) and "allow_auto_create_topics" in config:
+            config["allow_auto_create_topics"] = False
+    return client
 
 
 def _escape(name: str) -> str:
@@ -145,6 +166,13 @@ def _hdr(headers: Sequence[tuple[str, bytes | None]]) -> dict[str, str]:
 def _native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
     text = redact(f"{what} on {url.redacted()}: {type(exc).__name__}: {exc}")[:2000]
     name = type(exc).__name__
+    if name == "InvalidSessionTimeoutError":
+        return InvalidArgument(redact(
+            f"{what} on {url.redacted()}: the broker refuses the consumer session timeout; "
+            "set the option session_timeout_ms (URL query or connect() keyword) within "
+            "the broker's group.min.session.timeout.ms .. group.max.session.timeout.ms "
+            "(Apache Kafka: 6000 .. 1800000 by default), and heartbeat_interval_ms below "
+            "a third of it")[:2000])
     if "TooLarge" in name:
         return MessageTooLarge(text)
     if "Timeout" in name:
@@ -163,8 +191,9 @@ class KafkaDriver(Driver):
         "partitions": Option(int, 4, "partitions of topics this driver creates"),
         "replication_factor": Option(int, -1, "replication of created topics (-1: broker)"),
         "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
-        "session_timeout_ms": Option(int, 2000, "consumer session; joins take about half"),
-        "heartbeat_interval_ms": Option(int, 500, "consumer heartbeat"),
+        # Apache Kafka refuses sessions below group.min.session.timeout.ms (6000 by default).
+        "session_timeout_ms": Option(int, 6000, "consumer session (broker: 6000 or more)"),
+        "heartbeat_interval_ms": Option(int, 1000, "consumer heartbeat (< session / 3)"),
         "max_poll_interval_ms": Option(int, 30000, "rebalance timeout of the group"),
         "metadata_max_age_ms": Option(int, 1000, "how soon new topics reach pattern groups"),
         "request_timeout_ms": Option(int, 15000, "per request"),
@@ -250,15 +279,17 @@ class KafkaDriver(Driver):
 
     # -- setup -------------------------------------------------------------------------------
     def _new_producer(self) -> KafkaProducer:
-        return KafkaProducer(
+        return _no_auto_create(KafkaProducer(
             **self.common,
+            allow_auto_create_topics=False,  # see NO_AUTO_CREATE
+            max_block_ms=self.opts["request_timeout_ms"],
             acks="all",
             enable_idempotence=True,
             linger_ms=self.opts["linger_ms"],
             max_request_size=1_048_576,
             batch_size=256 * 1024,
             bootstrap_timeout_ms=int(self.opts["connect_timeout"] * 1000),
-        )
+        ))
 
     def _renew_producer(self, failure: BaseException) -> None:
         """Replace a producer that failed fatally (e.g. its idempotent producer id could not
@@ -319,6 +350,32 @@ class KafkaDriver(Driver):
         if self._closed:
             raise Closed(f"broker {self.url.redacted()} is closed")
 
+    def _admin(self, call: Any, *args: Any, groups: Collection[str] = (), **kw: Any) -> Any:
+        """One admin call under the admin lock, retried on retriable errors until
+        ``request_timeout_ms``.
+
+        Apache Kafka answers group requests with NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS
+        while a ``__consumer_offsets`` partition moves or loads (seen on a busy single
+        node too); its Java clients retry those, kafka-python's admin client does not and
+        keeps the group's coordinator cached, so the next try looks it up again.
+        """
+        deadline = time.monotonic() + self.opts["request_timeout_ms"] / 1000
+        pause = 0.05
+        while True:
+            try:
+                with self._lock:
+                    return call(*args, **kw)
+            except KafkaError as exc:
+                if not getattr(exc, "retriable", False) or time.monotonic() + pause > deadline:
+                    raise
+                log.debug("kafka: %s retried after %s", call.__name__, type(exc).__name__)
+                with contextlib.suppress(Exception):  # kafka-python keeps it forever
+                    cache = self.admin._manager.cluster._coordinators
+                    for key in [k for k in cache if k[1] in groups]:
+                        del cache[key]
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
     def topic(self, topic: str) -> str:
         return kafka_topic_name(topic, self.prefix)
 
@@ -337,7 +394,8 @@ class KafkaDriver(Driver):
             if now - self._topics_at >= self.opts["metadata_max_age_ms"] / 1000:
                 try:
                     if self._meta is None:
-                        self._meta = KafkaConsumer(**self.common, group_id=None)
+                        self._meta = _no_auto_create(KafkaConsumer(
+                            **self.common, **NO_AUTO_CREATE, group_id=None))
                     self._all_topics = set(self._meta.topics())
                 except Exception as exc:
                     raise _native(exc, "cannot list topics", self.url) from exc
@@ -354,8 +412,7 @@ class KafkaDriver(Driver):
         new = [NewTopic(n, partitions or self.partitions, self.opts["replication_factor"],
                         topic_configs=configs) for n in missing]
         try:
-            with self._lock:
-                result = self.admin.create_topics(new, raise_errors=False)
+            result = self._admin(self.admin.create_topics, new, raise_errors=False)
         except Exception as exc:
             raise _native(exc, "cannot create topics", self.url) from exc
         for item in result.get("topics", []):
@@ -451,8 +508,15 @@ class KafkaDriver(Driver):
         self.declared_ms(spec.name, create=True)
 
     def declared_ms(self, group: str, create: bool = False) -> int | None:
-        """When the group was declared (epoch ms), stored as its committed offset on the
+        """When the group was declared (epoch ms), stored as a committed offset on the
         registry topic: durable, visible to every process, no extra topic per group.
+
+        It is committed by a shadow group ``<group>..mqa-declared`` that never has members:
+        Apache Kafka refuses an admin offset commit for a group with active members
+        (UNKNOWN_MEMBER_ID), so writing it as the group's own offset fails when another
+        process's consumer is already in the group (two processes subscribing at once, a
+        group that existed before). Groups declared by older versions have it as the
+        group's own offset: read there when the shadow has none.
 
         (Offset-commit metadata would be the obvious place, but tansu drops it. A committed
         offset is just as durable on Apache Kafka, so this is right on both.)
@@ -460,17 +524,20 @@ class KafkaDriver(Driver):
         if group in self._declared:
             return self._declared[group]
         tp = TopicPartition(REGISTRY, 0)
+        key = _declared_key(group)
         try:
-            with self._lock:
-                found = self.admin.list_group_offsets({group: [tp]}).get(group, {})
-                oam = found.get(tp)
+            found = self._admin(self.admin.list_group_offsets, {key: [tp], group: [tp]},
+                                groups=(key, group))
+            value: int | None = None
+            for name in (key, group):
+                oam = found.get(name, {}).get(tp)
                 if oam is not None and oam.offset >= 0:
-                    value: int | None = oam.offset
-                elif create:
-                    value = int(time.time() * 1000)
-                    self.admin.alter_group_offsets(group, {tp: OffsetAndMetadata(value, "", -1)})
-                else:
-                    value = None
+                    value = oam.offset
+                    break
+            if value is None and create:
+                value = int(time.time() * 1000)
+                self._admin(self.admin.alter_group_offsets, key,
+                            {tp: OffsetAndMetadata(value, "", -1)}, groups=(key,))
         except Exception as exc:
             raise _native(exc, f"cannot read group {group!r}", self.url) from exc
         if value is not None:
@@ -487,8 +554,8 @@ class KafkaDriver(Driver):
                   ) -> dict[TopicPartition, int | None]:
         """The group's committed offsets (None where it has none)."""
         try:
-            with self._lock:
-                found = self.admin.list_group_offsets({group: list(tps)}).get(group, {})
+            found = self._admin(self.admin.list_group_offsets, {group: list(tps)},
+                                groups=(group,)).get(group, {})
         except Exception as exc:
             raise _native(exc, f"cannot read offsets of {group!r}", self.url) from exc
         out: dict[TopicPartition, int | None] = {}
@@ -504,8 +571,8 @@ class KafkaDriver(Driver):
         """
         offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in marks.items()}
         try:
-            with self._lock:
-                self.admin.alter_group_offsets(_shadow(group), offsets)
+            self._admin(self.admin.alter_group_offsets, _shadow(group), offsets,
+                        groups=(_shadow(group),))
         except Exception as exc:  # best effort: only the attempt count depends on it
             log.debug("kafka: delivery mark for %s not stored: %s", group, exc)
 
@@ -523,16 +590,17 @@ class KafkaDriver(Driver):
         key = group + "..mqa-takeovers"
         out: dict[TopicPartition, int] = {}
         try:
-            with self._lock:
-                found = self.admin.list_group_offsets({key: list(starts)}).get(key, {})
-                for tp, start in starts.items():
-                    base = ((start if start is not None else -1) + 1) * 1000
-                    oam = found.get(tp)
-                    old = oam.offset if oam is not None and oam.offset >= 0 else -1
-                    out[tp] = old - base + 1 if base <= old < base + 999 else 1
-                self.admin.alter_group_offsets(key, {
-                    tp: OffsetAndMetadata(((starts[tp] if starts[tp] is not None else -1) + 1)
-                                          * 1000 + n, "", -1) for tp, n in out.items()})
+            found = self._admin(self.admin.list_group_offsets, {key: list(starts)},
+                                groups=(key,)).get(key, {})
+            for tp, start in starts.items():
+                base = ((start if start is not None else -1) + 1) * 1000
+                oam = found.get(tp)
+                old = oam.offset if oam is not None and oam.offset >= 0 else -1
+                out[tp] = old - base + 1 if base <= old < base + 999 else 1
+            self._admin(self.admin.alter_group_offsets, key, {
+                tp: OffsetAndMetadata(((starts[tp] if starts[tp] is not None else -1) + 1)
+                                      * 1000 + n, "", -1) for tp, n in out.items()},
+                groups=(key,))
         except Exception as exc:  # best effort: only the attempt count depends on it
             log.debug("kafka: takeover count for %s not stored: %s", group, exc)
             return {tp: out.get(tp, 1) for tp in starts}
@@ -540,8 +608,8 @@ class KafkaDriver(Driver):
 
     def read_marks(self, group: str) -> dict[TopicPartition, int]:
         try:
-            with self._lock:
-                found = self.admin.list_group_offsets({_shadow(group): None})
+            found = self._admin(self.admin.list_group_offsets, {_shadow(group): None},
+                                groups=(_shadow(group),))
         except Exception as exc:
             log.debug("kafka: delivery marks of %s unreadable: %s", group, exc)
             return {}
@@ -556,7 +624,8 @@ class KafkaDriver(Driver):
         batched produce, so every write to dead-letter topics is a one-record batch (see
         ``send_one``); that is also correct on Apache Kafka.
         """
-        consumer = KafkaConsumer(**self.common, group_id=None, enable_auto_commit=False)
+        consumer = _no_auto_create(KafkaConsumer(
+            **self.common, **NO_AUTO_CREATE, group_id=None, enable_auto_commit=False))
         try:
             tp = TopicPartition(topic, 0)
             consumer.assign([tp])
@@ -656,12 +725,16 @@ class KafkaDriver(Driver):
                 with contextlib.suppress(Exception):
                     self.admin.delete_topics(topics, raise_errors=False)
                 with contextlib.suppress(Exception):
-                    self.admin.delete_groups([group, _shadow(group),
+                    self.admin.delete_groups([group, _shadow(group), _declared_key(group),
                                               group + "..mqa-takeovers"])
         except Exception as exc:  # pragma: no cover - suppressed above
             raise _native(exc, f"cannot delete group {group!r}", self.url) from exc
         self._known.difference_update(topics)
         self._declared.pop(group, None)
+        # kafka-python's producer asks for the metadata of every topic it ever wrote to,
+        # forever, and retries at once on "unknown topic": forget the deleted ones.
+        with contextlib.suppress(Exception):
+            self.producer._metadata._topics.difference_update(topics)
 
     def close(self) -> None:
         if self._closed:
@@ -681,6 +754,10 @@ class KafkaDriver(Driver):
 
 def _shadow(group: str) -> str:
     return group + "..mqa-delivered"
+
+
+def _declared_key(group: str) -> str:
+    return group + "..mqa-declared"
 
 
 class _Part:
@@ -804,6 +881,7 @@ class KafkaSubscription(DriverSubscription):
             self.regex = re.compile(topic_regex(spec.pattern, driver.prefix))
             self.group = KafkaConsumer(
                 **driver.common,
+                **NO_AUTO_CREATE,
                 group_id=spec.name,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
@@ -813,15 +891,19 @@ class KafkaSubscription(DriverSubscription):
                 max_poll_records=1000,
                 fetch_max_wait_ms=100,
             )
+            _no_auto_create(self.group)
             self.group.subscribe(topics=[self.retry], listener=_Listener(self))
+            self._await_retry_metadata(opts["request_timeout_ms"] / 1000)
             self.data = KafkaConsumer(
                 **driver.common,
+                **NO_AUTO_CREATE,
                 group_id=None,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 max_poll_records=1000,
                 fetch_max_wait_ms=100,
             )
+            _no_auto_create(self.data)
         except Exception as exc:
             if self.group is not None:
                 with contextlib.suppress(Exception):
@@ -836,12 +918,36 @@ class KafkaSubscription(DriverSubscription):
         # Wait for the first assignment so that consumers subscribed one after another
         # settle before they receive (fewer rebalances that take in-flight messages away).
         self.assigned_once.wait(opts["session_timeout_ms"] / 1000 * 3 + 5)
+        if self.error is not None:  # e.g. the broker refused the session timeout
+            failure = self.error
+            self.close()
+            raise _native(failure, f"cannot join group {spec.name!r}", driver.url) from failure
+
+    def _await_retry_metadata(self, timeout: float) -> None:
+        """Join only once the group consumer knows the retry topic's partitions.
+
+        Apache Kafka creates a topic in the controller first; a broker's metadata may
+        miss it for a moment after CreateTopics returned. A leader that joins then assigns
+        nothing, and its rejoin for the late metadata hits a kafka-python 3.0 bug: the
+        leader's own assignment updates its metadata snapshot while that JoinGroup is in
+        flight, so if one ``poll`` times out before SyncGroup answers, ``need_rejoin()``
+        turns false and the finished join is never completed (no assignment, no
+        heartbeats, the session expires): the member hangs with no slots, for good.
+        """
+        # After subscribe: the metadata update also refreshes kafka-python's snapshot of
+        # the subscribed topics, so the first assignment is not followed by a rebalance.
+        deadline = time.monotonic() + timeout
+        while not self.group.partitions_for_topic(self.retry):
+            if time.monotonic() >= deadline:
+                raise KafkaError(f"retry topic {self.retry} not in the broker's metadata")
+            time.sleep(0.05)
 
     # -- group thread ------------------------------------------------------------------------
     def _run_group(self) -> None:
         try:
             while not self.group_stopping:
                 recs = self.group.poll(timeout_ms=200, max_records=1000)
+                self._keep_join_alive()
                 if recs:
                     self._ingest(recs)
                 if self.new_assignment is not None:
@@ -859,6 +965,30 @@ class KafkaSubscription(DriverSubscription):
             with self.cv:
                 self.cv.notify_all()
             self.assigned_once.set()
+
+    def _keep_join_alive(self) -> None:
+        """Work around a kafka-python 3.0 bug that leaves a member without partitions.
+
+        A rejoin triggered by a metadata change (not by the coordinator) is driven by
+        ``need_rejoin()``, which compares snapshots the leader's own assignment updates
+        while its JoinGroup/SyncGroup is in flight. If ``poll`` times out before SyncGroup
+        answers (a join round often takes longer than one 200 ms poll on a busy Apache
+        Kafka), the next ``poll`` sees nothing to do and the finished join is never
+        completed: no assignment, no listener call, no heartbeats; the session expires and
+        the member stays without slots, for good. Seen with a single member whose first
+        metadata lacked the just-created retry topic. While a join is in flight, keep the
+        rejoin flag up so the next ``poll`` awaits it to the end (private attributes of
+        kafka-python 3.0; harmless if they change: the guard below just stops acting).
+        """
+        coordinator = getattr(self.group, "_coordinator", None)
+        lock = getattr(coordinator, "_lock", None)
+        if lock is None:
+            return
+        with lock, contextlib.suppress(AttributeError):
+            if (coordinator.state == _REBALANCING
+                    and coordinator._join_task is not None
+                    and not coordinator.rejoin_needed):
+                coordinator.request_rejoin()
 
     def _commit(self, sync: bool) -> None:
         offsets = self._commit_offsets(None)
