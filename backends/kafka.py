@@ -236,6 +236,7 @@ class KafkaDriver(Driver):
         max_batch=10_000,
         max_priority=0,
         max_receive=1000,
+        min_lease=1.0,  # a lease that runs out is a re-publish to the retry topic
         max_consumers_per_group=4,  # the default ``partitions``
         notes={
             Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "

@@ -312,6 +312,7 @@ class MemoryDriver(Driver):
         max_batch=10_000,
         max_receive=1000,
         max_lease=12 * 3600.0,
+        min_lease=0.01,
         shared_between_processes=False,
         durable=False,
     )

@@ -1107,6 +1107,7 @@ def _rabbitmq_capabilities(max_body: int) -> Capabilities:
         max_batch=1000,
         max_priority=9,
         max_lease=12 * 3600.0,
+        min_lease=0.5,  # leases are timers in the driver's I/O thread
         max_receive=1000,
         notes={
             f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "

@@ -204,6 +204,7 @@ class SQLiteDriver(Driver):
         max_body_bytes=16 * 1024 * 1024,
         max_batch=10_000,
         max_receive=1000,
+        min_lease=0.05,
         shared_between_processes=True,
         durable=True,
     )

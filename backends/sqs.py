@@ -85,7 +85,6 @@ _ATTR_RESERVE = 20 * 1024
 MAX_BODY = (SNS_MAX_MESSAGE - _ATTR_RESERVE) // 4 * 3
 #: Longest delay: queued messages expire after 14 days; FIFO delay hops keep the original.
 MAX_DELAY = 13 * 86400.0
-_STALE_MARGIN = 0.1  #: seconds before our lease deadline after which a receipt counts as stale
 
 _SQS_NAME = re.compile(r"[A-Za-z0-9_-]+")
 # Characters SQS and SNS carry unchanged in a message body (XML 1.0 minus CR, which an XML
@@ -305,13 +304,9 @@ class _Receipt:
     handle: str
     group: _Group
     received_at: float  #: wall time just before the receive call
-    deadline: float  #: monotonic time after which the lease may have passed to another consumer
     wire: _Wire
     delivery: Delivery | None = field(default=None, repr=False)
     attempt: int = 1
-
-    def stale(self) -> bool:
-        return time.monotonic() > self.deadline - _STALE_MARGIN
 
 
 class _Subscription(DriverSubscription):
@@ -395,6 +390,7 @@ class SQSDriver(Driver):
         max_batch=BATCH,
         max_priority=0,
         max_lease=float(MAX_VISIBILITY),
+        min_lease=1.0,  # visibility timeouts are whole seconds
         max_receive=BATCH,
         notes={
             Feature.PRIORITY: (
@@ -753,14 +749,15 @@ class SQSDriver(Driver):
             MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp",
                                          "ApproximateFirstReceiveTimestamp", "MessageGroupId"],
         )
-        # A long poll leases the message when it answers, so the lease runs from (about) now.
-        leased_until = time.monotonic() + lease
+        # A long poll leases the message when it answers: the broker's deadline is never
+        # earlier than the portable layer's (taken before this call), which alone decides
+        # whether a settle is stale.
         out: list[Delivery] = []
         drop: list[str] = []
         now = time.time()
         for msg in resp.get("Messages", []):
             wire = _from_sqs(msg)
-            receipt = _Receipt(msg["ReceiptHandle"], group, before_wall, leased_until, wire)
+            receipt = _Receipt(msg["ReceiptHandle"], group, before_wall, wire)
             topic = wire.attributes.get(ATTR_TOPIC, {}).get("StringValue")
             if topic and not group.exact and not pattern_regex(group.pattern).fullmatch(
                 "." + topic
@@ -857,8 +854,7 @@ class SQSDriver(Driver):
     def _ack(self, receipts: list[_Receipt]) -> None:
         by_queue: dict[str, list[str]] = {}
         for r in receipts:
-            if not r.stale():
-                by_queue.setdefault(r.group.queue_url, []).append(r.handle)
+            by_queue.setdefault(r.group.queue_url, []).append(r.handle)
         for url, handles in by_queue.items():
             with contextlib.suppress(NotFound):  # the group was deleted meanwhile
                 self._delete_handles(url, handles)
@@ -884,8 +880,6 @@ class SQSDriver(Driver):
         return MAX_VISIBILITY - 5 - (time.time() - receipt.received_at)
 
     def _nack(self, receipt: _Receipt, delay: float) -> None:
-        if receipt.stale():
-            return
         seconds = math.ceil(delay)
         if seconds <= self._left_in_flight(receipt):
             self._change_visibility(receipt, seconds)
@@ -898,20 +892,15 @@ class SQSDriver(Driver):
         self._delete_handles(receipt.group.queue_url, [receipt.handle])
 
     def _extend(self, receipt: _Receipt, seconds: float) -> None:
-        if receipt.stale():
-            return
         whole = math.ceil(seconds)
         if whole > self._left_in_flight(receipt):
             raise InvalidArgument(
                 "sqs: a message can stay leased at most 12 h after it was received "
                 f"({max(0, int(self._left_in_flight(receipt)))} s left)"
             )
-        if self._change_visibility(receipt, whole):
-            receipt.deadline = time.monotonic() + seconds
+        self._change_visibility(receipt, whole)
 
     def _dead_letter(self, receipt: _Receipt, reason: str, attempts: int) -> None:
-        if receipt.stale():
-            return
         d = receipt.delivery
         wire = receipt.wire
         if d is not None and not wire.meta:  # a foreign message: give it our metadata

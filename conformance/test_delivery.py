@@ -65,7 +65,8 @@ def test_lease_expiry_redelivers(mq_ctx: Ctx) -> None:
     assert again.id == mid and again.attempt == 2
     assert time.monotonic() - leased_at >= mq_ctx.lease * 0.9
     again.ack()
-    msg.ack()  # stale receipt: ignored, no error
+    with pytest.raises(mqabstract.LeaseExpired):  # the lease rule: never reaches the broker
+        msg.ack()
     mq_ctx.expect_none(sub, mq_ctx.lease + mq_ctx.quiet)
 
 

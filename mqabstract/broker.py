@@ -28,6 +28,7 @@ from .errors import (
     AlreadySettled,
     Closed,
     InvalidArgument,
+    LeaseExpired,
     MessageTooLarge,
     MQError,
     PublishError,
@@ -132,6 +133,7 @@ class ConsumeStats:
     retried: int = 0
     dead_lettered: int = 0
     failed: int = 0  #: handler raised
+    expired: int = 0  #: settled at or after the lease deadline (``LeaseExpired``)
 
 
 class Message:
@@ -139,9 +141,13 @@ class Message:
 
     ``id`` is stable across redeliveries; ``attempt`` is 1 on first delivery. Settle it with
     exactly one of ``ack``, ``nack`` or ``dead_letter``; repeating the same call is a no-op.
+    The lease deadline is the start of the ``receive`` call that returned it plus the
+    group's lease (renewed by ``extend``): at or after it, every settle and ``extend``
+    raises ``LeaseExpired`` without reaching the broker (the contract's one lease rule).
     """
 
     __slots__ = (
+        "_deadline",
         "_published_ts",
         "_receipt",
         "_state",
@@ -155,7 +161,7 @@ class Message:
         "topic",
     )
 
-    def __init__(self, delivery: Delivery, sub: Subscription) -> None:
+    def __init__(self, delivery: Delivery, sub: Subscription, deadline: float) -> None:
         self.id: str = delivery.id
         self.topic: str = delivery.topic
         self.body: bytes = delivery.body
@@ -171,6 +177,7 @@ class Message:
         self._receipt = delivery.receipt
         self._sub = sub
         self._state: str | None = None
+        self._deadline = deadline  # on the broker's monotonic clock
 
     @property
     def value(self) -> Any:
@@ -184,16 +191,32 @@ class Message:
 
     @property
     def settled(self) -> bool:
-        """True once acked, nacked or dead-lettered."""
-        return self._state is not None
+        """True once acked, nacked or dead-lettered (not when its lease ran out first)."""
+        return self._state is not None and self._state != "expired"
+
+    @property
+    def lease_remaining(self) -> float:
+        """Seconds left before the lease deadline (≤ 0 once it has passed)."""
+        return self._deadline - self._sub._broker._monotonic()
+
+    def _check_lease(self) -> None:
+        """Raise ``LeaseExpired`` (and give the message up) at or after the deadline."""
+        if self._state == "expired" or self._sub._broker._monotonic() >= self._deadline:
+            self._state = "expired"
+            self._sub._forget(self)
+            raise LeaseExpired(
+                f"message {self.id} (attempt {self.attempt}): its lease ran out before this "
+                "settle; it will be delivered again with the next attempt"
+            )
 
     def _begin(self, op: str) -> bool:
         """Mark the message settled by ``op``; False if it already was by the same op."""
         self._sub._check_open()
         if self._state == op:
             return False
-        if self._state is not None:
+        if self._state is not None and self._state != "expired":
             raise AlreadySettled(f"message {self.id} was already {self._state}")
+        self._check_lease()
         self._state = op
         return True
 
@@ -224,8 +247,9 @@ class Message:
 
     def extend(self, seconds: float) -> None:
         """Renew the lease: keep the message ours for ``seconds`` from now."""
-        if self._state is not None:
+        if self._state is not None and self._state != "expired":
             raise AlreadySettled(f"message {self.id} was already {self._state}")
+        self._check_lease()
         self._sub._extend(self, seconds)
 
     def __repr__(self) -> str:
@@ -280,16 +304,22 @@ class Subscription:
         out: list[Message] = []
         spec = self.spec
         dead_letters = caps.supports(Feature.DEAD_LETTER)
+        # The lease rule: a message is ours until the start of the driver receive call that
+        # returned it + lease. The driver leases it later than that, so the broker's own
+        # deadline is never earlier than ours. Each driver call waits at most a quarter of
+        # the lease, so a message is handed over with at least 3/4 of its lease left.
+        step = max(caps.min_lease, spec.lease / 4)
         while True:
             remaining = max(0.0, deadline - time.monotonic())
             want = min(max_messages - len(out), caps.max_receive)
+            lease_deadline = self._broker._monotonic() + spec.lease
             with self._broker._guard:
-                batch = self._inner.receive(want, remaining)
+                batch = self._inner.receive(want, min(remaining, step))
             for delivery in batch:
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     self._expire(delivery)
                     continue
-                out.append(Message(delivery, self))
+                out.append(Message(delivery, self, lease_deadline))
             if out or self._closed or time.monotonic() >= deadline:
                 break
         if out:
@@ -338,9 +368,11 @@ class Subscription:
     def _extend(self, msg: Message, seconds: object) -> None:
         self._check_open()
         self._broker._require(Feature.LEASE_EXTEND)
-        value = _check_seconds(seconds, "extend", self._broker.capabilities.max_lease, False)
+        value = self._broker._check_lease(seconds, "extend")
+        renewed = self._broker._monotonic() + value  # read before the driver renews
         with self._broker._guard:
             self._inner.extend(msg._receipt, value)
+        msg._deadline = renewed
 
     # -- push-style loop ------------------------------------------------------------------
     def consume(
@@ -403,24 +435,39 @@ class Subscription:
                 stats.received += 1
                 try:
                     handler(msg)
+                except LeaseExpired as exc:  # the handler settled too late: counted, logged
+                    self._count_expired(stats, msg, exc)
+                    continue
                 except Exception as exc:
                     stats.failed += 1
                     if msg.settled:
                         continue
                     reason = f"{type(exc).__name__}: {exc}"
-                    if can_dead and msg.attempt >= self.spec.max_attempts:
-                        log.warning("consume: %s dead-lettered after %d attempts: %s",
-                                    msg.id, msg.attempt, reason)
-                        msg.dead_letter(reason)
-                        stats.dead_lettered += 1
-                    else:
-                        msg.nack(backoff.delay(msg.attempt) if can_delay else 0.0)
-                        stats.retried += 1
+                    try:
+                        if can_dead and msg.attempt >= self.spec.max_attempts:
+                            log.warning("consume: %s dead-lettered after %d attempts: %s",
+                                        msg.id, msg.attempt, reason)
+                            msg.dead_letter(reason)
+                            stats.dead_lettered += 1
+                        else:
+                            msg.nack(backoff.delay(msg.attempt) if can_delay else 0.0)
+                            stats.retried += 1
+                    except LeaseExpired as late:
+                        self._count_expired(stats, msg, late)
                     continue
                 if not msg.settled:
-                    msg.ack()
-                    stats.acked += 1
+                    try:
+                        msg.ack()
+                        stats.acked += 1
+                    except LeaseExpired as late:
+                        self._count_expired(stats, msg, late)
         return stats
+
+    @staticmethod
+    def _count_expired(stats: ConsumeStats, msg: Message, exc: LeaseExpired) -> None:
+        stats.expired += 1
+        log.warning("consume: handler outlived the lease of %s (attempt %d): %s",
+                    msg.id, msg.attempt, exc)
 
     def stop(self) -> None:
         """Ask a running ``consume`` loop (in any thread) to return after its current message."""
@@ -434,8 +481,9 @@ class Subscription:
         with self._lock:
             pending = list(self._unsettled)
             self._unsettled.clear()
+        now = self._broker._monotonic()
         for msg in pending:
-            if msg._state is None:
+            if msg._state is None and now < msg._deadline:  # a stale release never goes out
                 msg._state = "released"
                 try:
                     self._inner.nack(msg._receipt, 0.0)
@@ -466,6 +514,12 @@ class Broker:
         self._caps: Capabilities = driver.capabilities
         self._guard = _Guard(driver.name)
         self._clock = getattr(driver, "clock", None)
+        # Lease deadlines: the injected clock (a FakeClock moves only when advanced), else
+        # the process's monotonic clock. A clock without monotonic() is read by time().
+        self._monotonic: Callable[[], float] = (
+            time.monotonic if self._clock is None
+            else getattr(self._clock, "monotonic", None) or self._clock.time
+        )
         self._closed = False
         self._lock = threading.Lock()
         self._subs: set[Subscription] = set()
@@ -490,6 +544,16 @@ class Broker:
 
     def _now(self) -> float:
         return self._clock.time() if self._clock is not None else time.time()
+
+    def _check_lease(self, value: object, what: str) -> float:
+        """A lease or extend in seconds within this backend's [min_lease, max_lease]."""
+        seconds = _check_seconds(value, what, self._caps.max_lease, allow_zero=False)
+        if seconds < self._caps.min_lease:
+            raise InvalidArgument(
+                f"{what}={seconds:g}s is below this backend's minimum lease of "
+                f"{self._caps.min_lease:g}s"
+            )
+        return seconds
 
     def _check_open(self) -> None:
         if self._closed:
@@ -700,7 +764,7 @@ class Broker:
             raise InvalidArgument("max_attempts must be an int")
         if not 1 <= max_attempts <= 1000:
             raise InvalidArgument(f"max_attempts must be 1-1000, got {max_attempts}")
-        lease = _check_seconds(lease, "lease", self._caps.max_lease, allow_zero=False)
+        lease = self._check_lease(lease, "lease")
         if ordered:
             self._require(Feature.ORDERING)
         if priority:

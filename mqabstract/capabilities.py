@@ -73,6 +73,8 @@ class Capabilities:
     max_batch: int = 1000  #: messages per driver call; the portable layer chunks larger batches
     max_priority: int = 9
     max_lease: float = 12 * 3600.0  #: longest lease (visibility timeout / extend), seconds
+    #: shortest lease (and extend) the backend can keep, seconds; shorter ones are rejected
+    min_lease: float = 0.05
     max_receive: int = 1000  #: most messages one driver receive call returns
     max_consumers_per_group: int | None = None  #: None = unlimited (Kafka: partitions)
     shared_between_processes: bool = True  #: False for memory://

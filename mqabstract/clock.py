@@ -11,9 +11,12 @@ __all__ = ["Clock", "FakeClock", "SystemClock"]
 
 
 class Clock(Protocol):
-    """Wall-clock seconds since the epoch, plus a hook to learn when time jumps."""
+    """Wall-clock seconds since the epoch, a monotonic reading for deadlines, and a hook
+    to learn when time jumps."""
 
     def time(self) -> float: ...
+
+    def monotonic(self) -> float: ...
 
     def on_advance(self, callback: Callable[[], None]) -> None: ...
 
@@ -23,6 +26,9 @@ class SystemClock:
 
     def time(self) -> float:
         return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
 
     def on_advance(self, callback: Callable[[], None]) -> None:
         return None
@@ -39,6 +45,10 @@ class FakeClock:
     def time(self) -> float:
         with self._lock:
             return self._now
+
+    def monotonic(self) -> float:
+        """Moves with ``time()``: only ``advance`` changes either."""
+        return self.time()
 
     def advance(self, seconds: float) -> None:
         with self._lock:

@@ -42,6 +42,8 @@ def encode(value: object) -> tuple[bytes, str | None]:
             return text.encode("utf-8"), JSON
         except (TypeError, ValueError, UnicodeEncodeError) as exc:
             raise EncodeError(f"body is not JSON-serialisable: {exc}") from exc
+        except RecursionError:  # nested deeper than the interpreter's stack
+            raise EncodeError("body is nested too deeply to encode as JSON") from None
     raise EncodeError(
         f"cannot encode body of type {type(value).__name__}: "
         "use bytes, str, or a JSON value (dict, list, number, bool)"
@@ -60,4 +62,6 @@ def decode(body: bytes, content_type: str | None) -> Any:
             return body.decode("utf-8")
     except (UnicodeDecodeError, ValueError) as exc:
         raise DecodeError(f"body does not decode as {content_type!r}: {exc}") from exc
+    except RecursionError:
+        raise DecodeError(f"body is nested too deeply to decode as {content_type!r}") from None
     return body

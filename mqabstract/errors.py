@@ -71,6 +71,14 @@ class AlreadySettled(MQError):
     """A message was already acked, nacked or dead-lettered with a different outcome."""
 
 
+class LeaseExpired(MQError):
+    """A settle or extend came at or after the message's lease deadline.
+
+    It never reached the broker: the message will be delivered again with attempt + 1, to
+    this or another consumer. Not retryable (the lease is gone); not a handler failure.
+    """
+
+
 class MissingDependency(MQError):
     """A backend's client library is not installed (install the matching extra)."""
 

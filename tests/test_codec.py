@@ -52,3 +52,32 @@ def test_pickle_is_never_decoded() -> None:
     data = pickle.dumps({"x": 1})
     assert codec.decode(data, "application/python-pickle") == data
     assert codec.decode(data, None) == data
+
+
+def test_deep_nesting_is_a_typed_error_everywhere() -> None:
+    """A RecursionError must never escape: publish, publish_batch (with index), value."""
+    import mqabstract
+
+    deep: list[object] = []
+    node = deep
+    for _ in range(100_000):
+        node.append([])
+        node = node[0]  # type: ignore[assignment]
+    with pytest.raises(EncodeError):
+        codec.encode(deep)
+    text = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(DecodeError):
+        codec.decode(text, codec.JSON)
+    with mqabstract.connect("memory://deep-nesting") as mq:
+        sub = mq.subscribe("g", "t")
+        with pytest.raises(EncodeError):
+            mq.publish("t", deep)
+        with pytest.raises(EncodeError) as info:
+            mq.publish_batch([("t", b"ok"), ("t", deep)])
+        assert info.value.index == 1
+        assert sub.receive(1, 0) == []  # nothing half-published
+        mq.publish("t", text, headers={"content-type": codec.JSON})
+        [msg] = sub.receive(1, 0)
+        with pytest.raises(DecodeError):
+            _ = msg.value
+        msg.ack()

@@ -43,10 +43,81 @@ def test_lease_expiry_and_extend_on_fake_clock(mq: mqabstract.Broker, clock: Fak
     clock.advance(2)
     [again] = sub.receive(1, 0)
     assert again.id == m.id and again.attempt == 2
-    m.ack()  # stale: ignored
+    with pytest.raises(mqabstract.LeaseExpired):  # stale: never reaches the driver
+        m.ack()
     again.ack()
     clock.advance(3600)
     assert sub.receive(1, 0) == []
+
+
+@pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
+def test_lease_rule_on_fake_clock(mq: mqabstract.Broker, clock: FakeClock, op: str) -> None:
+    """At the deadline a settle raises LeaseExpired, even before anyone else received the
+    message (the memory reference used to honour it then); a tick before, it counts."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mid = mq.publish("a.b", b"x")
+    [m] = sub.receive(1, 0)
+    assert m.lease_remaining == 30
+    clock.advance(30)  # exactly at the deadline
+    call = (lambda: m.extend(10)) if op == "extend" else getattr(m, op)
+    with pytest.raises(mqabstract.LeaseExpired):
+        call()
+    assert not m.settled
+    [again] = sub.receive(1, 0)
+    assert (again.id, again.attempt) == (mid, 2)
+    clock.advance(29.999)
+    call = (lambda: again.extend(10)) if op == "extend" else getattr(again, op)
+    call()  # just before the deadline: it takes effect
+    clock.advance(5)
+    if op == "nack":
+        [third] = sub.receive(1, 0)
+        assert third.attempt == 3
+    elif op == "extend":
+        assert sub.receive(1, 0) == [] and again.lease_remaining == pytest.approx(5.0)
+    else:
+        assert sub.receive(1, 0) == []
+    assert not mq.dead_letters("g") if op != "dead_letter" else mq.dead_letters("g")
+
+
+def test_consume_counts_settles_after_the_deadline(
+    mq: mqabstract.Broker, clock: FakeClock
+) -> None:
+    """A handler that outlives its lease: LeaseExpired is counted, not a handler failure."""
+    sub = mq.subscribe("g", "#", lease=10)
+    mq.publish("t", b"slow")
+
+    def slow(msg: mqabstract.Message) -> None:
+        clock.advance(11)
+
+    stats = sub.consume(slow, max_messages=1)
+    assert (stats.received, stats.acked, stats.failed, stats.expired) == (1, 0, 0, 1)
+    [again] = sub.receive(1, 0)
+    assert again.attempt == 2
+
+
+def test_close_never_releases_an_expired_message(mq: mqabstract.Broker, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "#", lease=10)
+    other = mq.subscribe("g", "#", lease=10)
+    mq.publish("t", b"x")
+    [m] = sub.receive(1, 0)
+    clock.advance(10)
+    [taken] = other.receive(1, 0)  # the lease moved on
+    sub.close()  # must not nack the stale copy out from under `other`
+    taken.ack()
+    clock.advance(60)
+    assert other.receive(1, 0) == [] and m.attempt == 1 and taken.attempt == 2
+
+
+@pytest.mark.parametrize("lease", [1e-9, 0.001, 0.0099])
+def test_lease_below_minimum_rejected(mq: mqabstract.Broker, lease: float) -> None:
+    assert mq.capabilities.min_lease == 0.01
+    with pytest.raises(mqabstract.InvalidArgument, match="minimum lease"):
+        mq.subscribe("g", "#", lease=lease)
+    sub = mq.subscribe("g", "#", lease=1)
+    mq.publish("t", b"x")
+    [m] = sub.receive(1, 0)
+    with pytest.raises(mqabstract.InvalidArgument, match="minimum lease"):
+        m.extend(lease)
 
 
 def test_delay_deliver_at_and_nack_delay(mq: mqabstract.Broker, clock: FakeClock) -> None:
