@@ -18,6 +18,7 @@ State (pids, logs, data) lives under ``<repo>/.brokers/`` or ``$MQ_BROKERS_DIR``
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import fcntl
 import http.client
@@ -834,7 +835,7 @@ class ApacheKafka(_Managed):
         self.config.write_text(self._properties())
         self.log4j.write_text(self._log4j())
         if not (self.data / "meta.properties").is_file():
-            cluster_id = self.cluster_id or _kafka_uuid(java, libs, self)
+            cluster_id = self.cluster_id or new_cluster_id()
             fmt = ["format", "-t", cluster_id, "-c", str(self.config)]
             if not self.voters:
                 fmt.append("--standalone")
@@ -858,15 +859,10 @@ class ApacheKafka(_Managed):
         return found[-1] if found else None
 
 
-def _kafka_uuid(java: str, libs: Path, node: ApacheKafka) -> str:
-    """A new cluster id from ``kafka-storage random-uuid``."""
-    argv = node._java(java, libs, "kafka.tools.StorageTool", "random-uuid")
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise _step_failed("kafka", "kafka-storage random-uuid", str(exc)[:200],
-                           "check the Java runtime and the jars in " + str(libs)) from None
-    return out.stdout.strip().splitlines()[-1]
+def new_cluster_id() -> str:
+    """A Kafka cluster id: 16 random bytes, url-safe base64 without padding (22 chars),
+    the format of ``kafka-storage random-uuid`` without starting a JVM for it."""
+    return base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
 
 
 PrivateKafka = ApacheKafka  # the Kafka that tests start and restart
@@ -962,9 +958,7 @@ def _cluster_id(path: Path, fresh: bool) -> str:
     """The cluster id all nodes are formatted with (22 url-safe base64 chars, like Kafka's)."""
     if not fresh and path.is_file():
         return path.read_text().strip()
-    import base64
-
-    cid = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+    cid = new_cluster_id()
     path.write_text(cid)
     return cid
 
@@ -1103,11 +1097,17 @@ def _run_step(broker: str, step: str, argv: list[str], todo: str, *,
 
 
 _apt_updated = False
+_APT_LOCK = threading.Lock()  # brokers come up in parallel; dpkg takes one at a time
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def apt_install(broker: str, packages: list[str]) -> None:
     """``apt-get install`` Debian *packages* for *broker* (root, or password-less sudo)."""
+    with _APT_LOCK:
+        _apt_install(broker, packages)
+
+
+def _apt_install(broker: str, packages: list[str]) -> None:
     global _apt_updated
     todo = f"install {' '.join(packages)} yourself, or set {ENV_URL_VARS.get(broker, 'the URL')}"
     if shutil.which("apt-get") is None:
@@ -1299,43 +1299,56 @@ def _booting_elsewhere(inst: _Managed, timeout: float) -> bool:
     return False
 
 
+def _bring_up(kind: str, inst: Any) -> str:
+    """Make one broker usable; the outcome line for ``up``."""
+    t0 = time.monotonic()
+    if inst.running() and inst.ready():
+        return f"already running (ours, pid {inst.pid()})"
+    if not inst.running() and inst.ready():
+        return "reusing a broker we did not start"
+    if (
+        kind == "rabbitmq"
+        and ensure_rabbitmq_installed()
+        and _booting_elsewhere(inst, 60.0)  # apt may have started the service
+    ):
+        return "reusing the freshly installed system service"
+    inst.start()
+    return f"started pid {inst.pid()} in {time.monotonic() - t0:.1f}s"
+
+
 def up(
     kinds: list[str], python: str | None = None, state_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, str]:
     """Make every broker in *kinds* usable; return ``{kind: outcome}``.
 
     Reuses whatever already answers at the address; otherwise installs what is missing,
-    starts a process and records it. Raises :class:`BrokerError` naming every broker that
-    failed, the step and what to do.
+    starts a process and records it. The brokers come up side by side (their boots wait
+    on I/O and the JVM, not on each other). Raises :class:`BrokerError` naming every
+    broker that failed, the step and what to do.
     """
     root = state_root(state_dir)
     outcome: dict[str, str] = {}
-    errors: list[str] = []
+    errors: dict[str, str] = {}
     with _locked(root):
-        for kind in kinds:
-            inst = _instance(kind, root, python)
-            t0 = time.monotonic()
+        insts = {kind: _instance(kind, root, python) for kind in kinds}
+
+        def one(kind: str) -> None:
             try:
-                if inst.running() and inst.ready():
-                    outcome[kind] = f"already running (ours, pid {inst.pid()})"
-                elif not inst.running() and inst.ready():
-                    outcome[kind] = "reusing a broker we did not start"
-                elif (
-                    kind == "rabbitmq"
-                    and ensure_rabbitmq_installed()
-                    and _booting_elsewhere(inst, 60.0)  # apt may have started the service
-                ):
-                    outcome[kind] = "reusing the freshly installed system service"
-                else:
-                    inst.start()
-                    took = time.monotonic() - t0
-                    outcome[kind] = f"started pid {inst.pid()} in {took:.1f}s"
+                outcome[kind] = _bring_up(kind, insts[kind])
             except (BrokerError, OSError, subprocess.SubprocessError) as exc:
-                errors.append(str(exc) if str(exc).startswith(f"{kind}") else f"{kind}: {exc}")
+                text = str(exc)
+                errors[kind] = text if text.startswith(kind) else f"{kind}: {text}"
                 outcome[kind] = "FAILED"
-            print(f"{kind:13} {inst.url}  {outcome[kind]}", file=sys.stderr)
+
+        threads = [threading.Thread(target=one, args=(kind,)) for kind in kinds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for kind in kinds:
+            print(f"{kind:13} {insts[kind].url}  {outcome[kind]}", file=sys.stderr)
     if errors:
-        raise BrokerError("\n".join(errors))
+        raise BrokerError("\n".join(errors[kind] for kind in kinds if kind in errors))
     return outcome
 
 
