@@ -405,7 +405,38 @@ def _clean_env(drop_prefixes: tuple[str, ...] = ()) -> dict[str, str]:
 # --------------------------------------------------------------------------- managed brokers
 
 
-class _Managed:
+class _Lifecycle:
+    """restart and the context-manager protocol, over ``start``/``stop``."""
+
+    def start(self, timeout: float | None = None) -> float:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        raise NotImplementedError
+
+    def restart(self, timeout: float | None = None) -> float:
+        """Stop then start on the same ports (clients see the connection drop)."""
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> Any:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _all_at_once(work: Any, items: list[Any]) -> None:
+    """Run ``work(*item)`` for every item in its own thread; return when all are done."""
+    threads = [threading.Thread(target=work, args=item) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+class _Managed(_Lifecycle):
     """A broker process this module starts, tracked by a JSON state file.
 
     The state file records pid, its /proc start time and a command-line marker, so that
@@ -576,18 +607,6 @@ class _Managed:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         wait_gone([pid], timeout / 2)
-
-    def restart(self, timeout: float | None = None) -> float:
-        """Stop then start on the same port (clients see the connection drop)."""
-        self.stop()
-        return self.start(timeout)
-
-    def __enter__(self) -> _Managed:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class PrivateRabbit(_Managed):
@@ -868,7 +887,7 @@ def new_cluster_id() -> str:
 PrivateKafka = ApacheKafka  # the Kafka that tests start and restart
 
 
-class KafkaCluster:
+class KafkaCluster(_Lifecycle):
     """Three Apache Kafka nodes on one machine: ports port, port+1, port+2.
 
     Each node is broker and controller (three voters: the quorum survives one loss), with
@@ -934,24 +953,8 @@ class KafkaCluster:
     def stop(self, timeout: float = 30.0) -> bool:
         """Stop every node at once (a clean shutdown needs the controllers' quorum)."""
         results: list[bool] = []
-        threads = [threading.Thread(target=lambda n=n: results.append(n.stop(timeout)))
-                   for n in self.nodes]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _all_at_once(lambda n: results.append(n.stop(timeout)), [(n,) for n in self.nodes])
         return any(results)
-
-    def restart(self, timeout: float | None = None) -> float:
-        self.stop()
-        return self.start(timeout)
-
-    def __enter__(self) -> KafkaCluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _cluster_id(path: Path, fresh: bool) -> str:
@@ -1340,11 +1343,7 @@ def up(
                 errors[kind] = text if text.startswith(kind) else f"{kind}: {text}"
                 outcome[kind] = "FAILED"
 
-        threads = [threading.Thread(target=one, args=(kind,)) for kind in kinds]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _all_at_once(one, [(kind,) for kind in kinds])
         for kind in kinds:
             print(f"{kind:13} {insts[kind].url}  {outcome[kind]}", file=sys.stderr)
     if errors:
@@ -1387,11 +1386,7 @@ def down(kinds: list[str], state_dir: str | os.PathLike[str] | None = None) -> l
             except BaseException as exc:  # reported after the others were stopped too
                 errors.append(exc)
 
-        threads = [threading.Thread(target=stop, args=item) for item in todo]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _all_at_once(stop, todo)
         if errors:
             raise errors[0]
     return sorted(stopped)
