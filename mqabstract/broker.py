@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from . import codec, names
 from .capabilities import Capabilities, Feature
@@ -90,7 +90,9 @@ class _Guard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self, tp: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> Literal[False]:
         if exc is None or isinstance(exc, MQError) or not isinstance(exc, Exception):
             return False
         raise _translate(exc, self.backend) from exc
@@ -167,7 +169,7 @@ class Message:
         self.body: bytes = delivery.body
         # Read-only view, no copy: drivers hand over a mapping nobody else mutates.
         self.headers: Mapping[str, str] = (
-            MappingProxyType(delivery.headers)  # type: ignore[arg-type]
+            MappingProxyType(delivery.headers)
             if delivery.headers else _EMPTY
         )
         self.key: str | None = delivery.key
