@@ -2,12 +2,14 @@
 on the backend under test, with the contract's invariants checked on both histories.
 
 Operations: publish (a small batch, keys from a tiny set), receive, ack / nack(delay) /
-extend of a held message, lease expiry (wait out the lease), consumer crash (abandon the
+extend of a held message, lease expiry (wait out the lease), a stale settle (ack, nack,
+extend or dead_letter of a message whose lease ran out), consumer crash (abandon the
 subscription without closing it). Afterwards a fresh consumer drains the group.
 
 Invariants, on every backend: every published id ends acked or dead-lettered (no loss);
 every one was delivered at least once; a redelivery carries the same bytes; attempts grow
-per id and never exceed ``max_attempts``; dead letters carry ``max_attempts`` attempts; in
+per id and never exceed ``max_attempts``; dead letters carry ``max_attempts`` attempts; a
+stale settle raises ``LeaseExpired`` and changes nothing (the lease rule, memory included); in
 ``ordered`` groups each key's messages are first delivered in publish order and, on
 FIFO-group backends (``ONE_AT_A_TIME``), never while an earlier one of the key is leased to
 us. Histories must agree where the contract fixes
@@ -27,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import mqabstract
@@ -49,6 +51,8 @@ _receive = st.tuples(st.just("receive"), st.integers(1, 4))
 _settle = st.tuples(st.sampled_from(["ack", "ack", "nack", "extend"]), st.integers(0, 7),
                     st.sampled_from([0.0, 0.0, 1.0]))
 _rare = st.sampled_from([("expire",), ("crash",)])
+_stale = st.tuples(st.just("stale"), st.integers(0, 7),
+                   st.sampled_from(["ack", "nack", "extend", "dead_letter"]))
 
 
 @st.composite
@@ -58,7 +62,11 @@ def scenarios(draw: st.DrawFn) -> tuple[bool, list[Op]]:
     ops: list[Op] = [draw(_publish)]
     ops += draw(st.lists(st.one_of(_publish, _receive, _receive, _settle), max_size=8))
     if draw(st.booleans()):
-        ops.insert(draw(st.integers(1, len(ops))), draw(_rare))
+        at = draw(st.integers(1, len(ops)))
+        rare = draw(_rare)
+        ops.insert(at, rare)
+        if rare == ("expire",) and draw(st.booleans()):
+            ops.insert(at + 1, draw(_stale))
     return ordered, ops
 
 
@@ -72,6 +80,7 @@ class History:
     dead: dict[str, int] = field(default_factory=dict)
     order_violations: list[str] = field(default_factory=list)
     failure: bool = False  #: a crash or lease expiry happened (order is then not promised)
+    stale: list[str] = field(default_factory=list)  #: outcome of each settle after the lease
 
     def problems(self, ordered: bool, fifo_group: bool = True) -> list[str]:
         """Broken invariants. Per-key first-delivery order is checked always on FIFO-group
@@ -101,6 +110,9 @@ class History:
         for mid, attempts in self.dead.items():
             if attempts != MAX_ATTEMPTS:
                 out.append(f"{mid} dead-lettered after {attempts} attempts, not {MAX_ATTEMPTS}")
+        reached = [o for o in self.stale if o != "LeaseExpired"]
+        if reached:
+            out.append(f"settles after the lease deadline did not raise LeaseExpired: {reached}")
         if set(self.dead) & self.acked:
             out.append(f"both acked and dead: {sorted(set(self.dead) & self.acked)}")
         if ordered and (fifo_group or not self.failure):
@@ -143,6 +155,7 @@ def run(url: str, ordered: bool, ops: list[Op], wait: float,
             sub = subscribe()
             abandoned: list[mqabstract.Subscription] = []
             held: list[tuple[mqabstract.Message, float]] = []  # (message, lease ends)
+            stale: list[mqabstract.Message] = []  # held when their lease ran out
 
             def take(msgs: list[mqabstract.Message]) -> None:
                 now = time.monotonic()
@@ -188,7 +201,22 @@ def run(url: str, ordered: bool, ops: list[Op], wait: float,
                 elif op[0] == "expire":
                     hist.failure = True
                     time.sleep(LEASE + 0.5)
+                    stale += [m for m, _ in held]
                     held.clear()
+                elif op[0] == "stale":
+                    if not stale:
+                        continue
+                    msg = stale[op[1] % len(stale)]
+                    try:
+                        if op[2] == "extend":
+                            msg.extend(LEASE)
+                        elif op[2] == "dead_letter":
+                            msg.dead_letter("differential: stale")
+                        else:
+                            getattr(msg, op[2])()
+                        hist.stale.append(f"{op[2]} took effect")
+                    except mqabstract.MQError as exc:
+                        hist.stale.append(type(exc).__name__)
                 elif op[0] == "crash":
                     hist.failure = True
                     abandoned.append(sub)  # never closed: its leases must run out
@@ -227,7 +255,8 @@ def run(url: str, ordered: bool, ops: list[Op], wait: float,
 def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
     """Generated operation sequences: invariants hold on memory and on ``backend``, and the
     finally-settled id sets agree."""
-    stats = {"examples": 0, "messages": 0, "delivered": 0, "dead_lettered": 0}
+    stats = {"examples": 0, "messages": 0, "delivered": 0, "dead_lettered": 0,
+             "stale_settles": 0}
     wait = RECEIVE_WAIT[backend]
 
     # No shrinking on real brokers: every replay costs seconds of real waiting, and the
@@ -236,6 +265,9 @@ def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
     @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=in_ci(),
               database=None, suppress_health_check=list(HealthCheck), phases=phases)
     @given(scenarios())
+    # Always at least one stale settle per backend (the lease rule), besides generated ones.
+    @example((False, [("publish", ["k0", None]), ("receive", 2), ("expire",),
+                      ("stale", 0, "ack"), ("stale", 1, "dead_letter")]))
     def check(scenario: tuple[bool, list[Op]]) -> None:
         ordered, ops = scenario
         ref = run("memory://differential", ordered, ops, RECEIVE_WAIT["memory"])
@@ -251,6 +283,7 @@ def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
         stats["messages"] += len(got.published)
         stats["delivered"] += len(got.deliveries)
         stats["dead_lettered"] += len(got.dead)
+        stats["stale_settles"] += len(got.stale)
 
     try:
         check()
