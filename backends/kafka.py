@@ -97,6 +97,19 @@ NO_AUTO_CREATE: dict[str, Any] = {"allow_auto_create_topics": False}
 _REBALANCING = getattr(getattr(_kstructs, "MemberState", None), "REBALANCING", "<rebalancing>")
 
 
+def _transient(exc: BaseException) -> bool:
+    """Whether a background thread should retry after ``exc`` instead of stopping: the
+    broker is unreachable, restarting or moving a coordinator (the same call can work
+    later). A background thread that stopped on such an error would leave the
+    subscription dead for good after the broker came back."""
+    if isinstance(exc, MQError):
+        return exc.retryable
+    if isinstance(exc, KafkaError):
+        return bool(getattr(exc, "retriable", False)) or type(exc).__name__ in (
+            "NoBrokersAvailable", "KafkaConnectionError", "NodeNotReadyError")
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
 def _no_auto_create(client: Any) -> Any:
     """kafka-python 3.0.12 takes ``allow_auto_create_topics`` but never hands it to the
     cluster metadata that builds the requests: set it there too."""
@@ -350,7 +363,8 @@ class KafkaDriver(Driver):
         if self._closed:
             raise Closed(f"broker {self.url.redacted()} is closed")
 
-    def _admin(self, call: Any, *args: Any, groups: Collection[str] = (), **kw: Any) -> Any:
+    def _admin(self, call: Any, *args: Any, groups: Collection[str] = (),
+               budget: float | None = None, **kw: Any) -> Any:
         """One admin call under the admin lock, retried on retriable errors until
         ``request_timeout_ms``.
 
@@ -359,7 +373,9 @@ class KafkaDriver(Driver):
         node too); its Java clients retry those, kafka-python's admin client does not and
         keeps the group's coordinator cached, so the next try looks it up again.
         """
-        deadline = time.monotonic() + self.opts["request_timeout_ms"] / 1000
+        if budget is None:
+            budget = self.opts["request_timeout_ms"] / 1000
+        deadline = time.monotonic() + budget
         pause = 0.05
         while True:
             try:
@@ -564,7 +580,8 @@ class KafkaDriver(Driver):
             out[tp] = oam.offset if oam is not None and oam.offset >= 0 else None
         return out
 
-    def commit_marks(self, group: str, marks: Mapping[TopicPartition, int]) -> None:
+    def commit_marks(self, group: str, marks: Mapping[TopicPartition, int],
+                     budget: float | None = None) -> None:
         """Record, in a shadow group, how far records were handed to the application.
 
         After a crash the next owner gives records below the mark attempt + 1.
@@ -572,7 +589,7 @@ class KafkaDriver(Driver):
         offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in marks.items()}
         try:
             self._admin(self.admin.alter_group_offsets, _shadow(group), offsets,
-                        groups=(_shadow(group),))
+                        groups=(_shadow(group),), budget=budget)
         except Exception as exc:  # best effort: only the attempt count depends on it
             log.debug("kafka: delivery mark for %s not stored: %s", group, exc)
 
@@ -611,6 +628,9 @@ class KafkaDriver(Driver):
             found = self._admin(self.admin.list_group_offsets, {_shadow(group): None},
                                 groups=(_shadow(group),))
         except Exception as exc:
+            if _transient(exc):  # the caller positions later: marks decide attempts
+                raise _native(exc, f"cannot read delivery marks of {group!r}",
+                              self.url) from exc
             log.debug("kafka: delivery marks of %s unreadable: %s", group, exc)
             return {}
         return {tp: oam.offset for tp, oam in found.get(_shadow(group), {}).items()
@@ -944,14 +964,24 @@ class KafkaSubscription(DriverSubscription):
 
     # -- group thread ------------------------------------------------------------------------
     def _run_group(self) -> None:
+        retry_at = 0.0  # when to position a new assignment again after a failure
         try:
             while not self.group_stopping:
                 recs = self.group.poll(timeout_ms=200, max_records=1000)
                 self._keep_join_alive()
                 if recs:
                     self._ingest(recs)
-                if self.new_assignment is not None:
-                    self._take_assignment()
+                if self.new_assignment is not None and time.monotonic() >= retry_at:
+                    try:
+                        self._take_assignment()
+                    except Exception as exc:
+                        if not _transient(exc):
+                            raise
+                        # The broker is restarting: keep polling (heartbeats, the join)
+                        # and position the assignment once it answers again.
+                        log.info("kafka: assignment of %s not positioned yet: %s",
+                                 self.spec.name, redact(str(exc))[:300])
+                        retry_at = time.monotonic() + 0.5
                 self._commit(sync=False)
         except Exception as exc:
             log.warning("kafka: group consumer of %s stopped: %s", self.spec.name,
@@ -1070,8 +1100,14 @@ class KafkaSubscription(DriverSubscription):
             assigned, self.new_assignment = self.new_assignment, None
         if assigned is None:
             return
-        committed = {tp: self.group.committed(tp) for tp in assigned}
-        marks = self.d.read_marks(self.spec.name)
+        try:
+            committed = {tp: self.group.committed(tp) for tp in assigned}
+            marks = self.d.read_marks(self.spec.name)
+        except Exception:
+            with self.lock:  # retried by the group thread unless a newer one came
+                if self.new_assignment is None:
+                    self.new_assignment = assigned
+            raise
         fresh = self._adopt(assigned, committed, marks, self.group)
         for tp in fresh:
             self.group.seek_to_beginning(tp)  # the retry topic belongs to the group
@@ -1138,19 +1174,36 @@ class KafkaSubscription(DriverSubscription):
 
     # -- data thread --------------------------------------------------------------------------
     def _run_data(self) -> None:
+        pause = 0.0  # back-off while the broker does not answer
         try:
             while not self.stopping:
-                self._refresh_data()
-                self._tick()
-                if not self.data_assigned:
-                    wait = min(0.2, self._poll_ms() / 1000)
+                if pause:
                     with self.cv:
                         if not self.stopping:
-                            self.cv.wait(wait)
-                    continue
-                recs = self.data.poll(timeout_ms=self._poll_ms(), max_records=1000)
-                if recs:
-                    self._ingest(recs)
+                            self.cv.wait(pause)
+                try:
+                    self._refresh_data()
+                    self._tick()
+                    if not self.data_assigned:
+                        wait = min(0.2, self._poll_ms() / 1000)
+                        with self.cv:
+                            if not self.stopping:
+                                self.cv.wait(wait)
+                        pause = 0.0
+                        continue
+                    recs = self.data.poll(timeout_ms=self._poll_ms(), max_records=1000)
+                    if recs:
+                        self._ingest(recs)
+                    pause = 0.0
+                except Exception as exc:
+                    # A broker restart or outage: retry; the subscription recovers with
+                    # the broker (the same object, as the contract requires).
+                    if not _transient(exc):
+                        raise
+                    if not pause:
+                        log.info("kafka: consumer of %s waits for the broker: %s",
+                                 self.spec.name, redact(str(exc))[:300])
+                    pause = min(max(pause * 2, 0.1), 2.0)
         except Exception as exc:
             log.warning("kafka: consumer of %s stopped: %s", self.spec.name, redact(str(exc)))
             self.error = exc
@@ -1207,16 +1260,29 @@ class KafkaSubscription(DriverSubscription):
             if self.paused and wanted:
                 self.data.pause(*wanted)
         if new:
-            committed = self.d.committed(self.spec.name, new)
-            marks = self.d.read_marks(self.spec.name)
-            start = []
-            for tp in self._adopt(new, committed, marks, self.data):
-                if committed.get(tp) is not None:
-                    self.data.seek(tp, committed[tp])
-                else:
-                    start.append(tp)
-            if start:
-                self._seek_start(start)
+            try:
+                committed = self.d.committed(self.spec.name, new)
+                marks = self.d.read_marks(self.spec.name)
+                start = []
+                for tp in self._adopt(new, committed, marks, self.data):
+                    if committed.get(tp) is not None:
+                        self.data.seek(tp, committed[tp])
+                    else:
+                        start.append(tp)
+                if start:
+                    self._seek_start(start)
+            except Exception:
+                # Not positioned (broker away): unassign them, so that they are neither
+                # read from a wrong offset nor left out; the next refresh tries again.
+                with self.cv:
+                    for tp in new:
+                        self.parts.pop(tp, None)
+                    self.ready = deque(r for r in self.ready if r.tp not in new)
+                    self.held = [h for h in self.held if h[2].tp not in new]
+                    heapq.heapify(self.held)
+                self.data_assigned = wanted - new
+                self.data.assign(sorted(self.data_assigned))
+                raise
         with self.cv:
             # Suspended data partitions that did not come back went to another member.
             if version == self.slot_version and slots:
@@ -1285,9 +1351,20 @@ class KafkaSubscription(DriverSubscription):
             handoff = self._pick_handoff()
             buffered = len(self.ready) + len(self.held)
         for rec in expired:  # the lease ran out: redeliver with attempt + 1
-            self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
+            try:
+                self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
+            except MQError:
+                self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
         for rec in handoff:
-            self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
+            try:
+                self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
+            except MQError:
+                with self.cv:  # stays here, ready again
+                    rec.n += 1  # the write may have landed: never the same attempt twice
+                    if rec.tp in self.parts:
+                        rec.since = time.monotonic()
+                        self.ready.append(rec)
+                        self.cv.notify_all()
         limit = self.d.opts["max_buffered"]
         if buffered > limit and not self.paused and self.data_assigned:
             self.data.pause(*self.data_assigned)
@@ -1398,7 +1475,7 @@ class KafkaSubscription(DriverSubscription):
         if self.error is not None:
             raise _native(self.error, f"consumer of {self.spec.name!r} failed", self.d.url)
 
-    def _commit_acked(self) -> None:
+    def _commit_acked(self, timeout: float) -> None:
         """Commit what was acked so far, and wait for it.
 
         Called before new records are handed out: a consumer that dies after this receive
@@ -1410,7 +1487,11 @@ class KafkaSubscription(DriverSubscription):
         if not offsets:
             return
         try:
-            self.group.commit(offsets, timeout_ms=self.d.opts["request_timeout_ms"])
+            # Within the receive's timeout: the portable layer's lease clock started at
+            # the receive call (a commit waiting for a coordinator after a broker
+            # restart made records arrive with their lease already over).
+            self.group.commit(offsets, timeout_ms=int(max(
+                0.05, min(timeout, self.d.opts["request_timeout_ms"] / 1000)) * 1000))
         except Exception as exc:  # e.g. a rebalance: the group thread retries it
             self._committed(offsets, exc)
             log.debug("kafka: commit before receive on %s failed: %s", self.spec.name, exc)
@@ -1422,7 +1503,7 @@ class KafkaSubscription(DriverSubscription):
         out: list[Delivery] = []
         marks: dict[TopicPartition, int] = {}
         if not self.closed:
-            self._commit_acked()
+            self._commit_acked(timeout)
         with self.cv:
             self._check_open()
             self.waiting += 1
@@ -1450,8 +1531,8 @@ class KafkaSubscription(DriverSubscription):
             finally:
                 self.waiting -= 1
                 self.last_receive = time.monotonic()
-        if marks:
-            self.d.commit_marks(self.spec.name, marks)
+        if marks:  # retried only within a quarter lease: the records' lease is running
+            self.d.commit_marks(self.spec.name, marks, budget=self.spec.lease / 4)
         return out
 
     def _settle(self, token: Any) -> _Rec | None:
@@ -1476,10 +1557,26 @@ class KafkaSubscription(DriverSubscription):
                 if part is not None:
                     part.done.add(rec.offset)
 
+    def _relapse(self, rec: _Rec, token: Any, deadline: float) -> None:
+        """A re-publish or dead-letter write of a settled record failed (broker away):
+        lease it again, so that it is retried when the lease runs out (or by the caller
+        with the same receipt) instead of waiting for a rebalance. The failed write may
+        have landed all the same, so the next one counts one more delivery: attempts may
+        skip a number, never repeat."""
+        with self.cv:
+            rec.n += 1
+            if rec.tp in self.parts or rec.tp in self.suspended:
+                rec.deadline = deadline
+                self.leased[token if token is not None else next(self.tokens)] = rec
+
     def nack(self, receipt: Any, delay: float) -> None:
         rec = self._settle(receipt)
         if rec is not None:
-            self._requeue(rec, rec.n + 1, delay)
+            try:
+                self._requeue(rec, rec.n + 1, delay)
+            except MQError:
+                self._relapse(rec, receipt, rec.deadline)
+                raise
 
     def extend(self, receipt: Any, seconds: float) -> None:
         with self.lock:
@@ -1503,7 +1600,11 @@ class KafkaSubscription(DriverSubscription):
         if rec.key is not None:
             headers.append((H_KEY, rec.key.encode()))
         topic = self.d.dead_topic(self.spec.name)
-        self.d.send_one(topic, rec.body, uuid.uuid4().hex.encode(), headers)
+        try:
+            self.d.send_one(topic, rec.body, uuid.uuid4().hex.encode(), headers)
+        except MQError:
+            self._relapse(rec, receipt, rec.deadline)
+            raise
         self._done(rec)
 
     def _requeue(self, rec: _Rec, n: int, delay: float, avoid_self: bool = False,
@@ -1531,9 +1632,9 @@ class KafkaSubscription(DriverSubscription):
             self.d.send_one(self.retry, rec.body,
                             rec.key.encode() if rec.key is not None else None,
                             headers, partition)
-        except MQError:
-            log.warning("kafka: could not requeue %s; it will be redelivered from its "
-                        "partition instead", rec.id)
+        except MQError as exc:
+            log.warning("kafka: could not requeue %s (retried): %s", rec.id,
+                        redact(str(exc))[:300])
             raise
         self._done(rec)
 
