@@ -45,6 +45,7 @@ import pika.exceptions as pex
 from pika import spec as amqp
 from pika.adapters.select_connection import IOLoop
 
+from mqabstract import wire
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.errors import (
@@ -76,9 +77,10 @@ _BROKER_HEADERS = frozenset({
     "x-first-death-reason", "x-last-death-exchange", "x-last-death-queue",
     "x-last-death-reason",
 })
-H_TOPIC, H_KEY, H_ATTEMPT = "mq-topic", "mq-key", "mq-attempt"
-H_PUBLISHED, H_DUE = "mq-published-at", "mq-deliver-at"
-H_REASON, H_ATTEMPTS, H_DEAD_AT = "mq-dl-reason", "mq-dl-attempts", "mq-dl-at"
+# The wire schema (mqabstract/wire.py); H_ATTEMPT counts deliveries so far.
+H_TOPIC, H_KEY, H_ATTEMPT = wire.TOPIC, wire.KEY, wire.ATTEMPT
+H_PUBLISHED, H_DUE = wire.PUBLISHED_AT, wire.DELIVER_AT
+H_REASON, H_DEAD_AT = wire.REASON, wire.DEAD_AT
 CONTENT_TYPE = "content-type"
 _MAX_NAME = 255  # AMQP short string
 _TICK = 0.05  # lease / idle check period, seconds
@@ -582,7 +584,7 @@ class _Raw:
 
     def attempt(self) -> int:
         headers = self.props.headers or {}
-        base = int(_text(headers.get(H_ATTEMPT, 1)))
+        base = int(_text(headers.get(H_ATTEMPT, 0))) + 1  # deliveries so far + this one
         count = headers.get("x-delivery-count")
         if count is not None:
             return base + int(count)
@@ -985,7 +987,7 @@ class _Sub(DriverSubscription):
         props = _copy_props(
             raw.props,
             **{H_TOPIC: self._driver._topic_of(raw), H_REASON: reason,
-               H_ATTEMPTS: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
+               H_ATTEMPT: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
         )
         item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
         pend = self._driver._pub.publish([item], self._driver._publish_timeout)
@@ -1319,7 +1321,7 @@ class RabbitMQDriver(Driver):
         """A copy of ``raw`` for ``queue`` with ``attempt``; through a wait tier if ``due``
         is in the future (then ``due`` is also written down so early arrivals are caught)."""
         props = _copy_props(raw.props, **{H_TOPIC: self._topic_of(raw),
-                                          H_ATTEMPT: str(attempt),
+                                          H_ATTEMPT: str(attempt - 1),  # so far
                                           H_DUE: repr(due) if due is not None else None})
         if due is not None:
             left = due - time.time()
@@ -1463,7 +1465,7 @@ class RabbitMQDriver(Driver):
             priority=props.priority or 0,
             published_at=utc(float(_text(published)) if published is not None
                              else float(props.timestamp or 0)),
-            attempts=int(_text(headers.get(H_ATTEMPTS, 0))),
+            attempts=int(_text(headers.get(H_ATTEMPT, 0))),
             reason=_text(headers.get(H_REASON, "")),
             dead_lettered_at=utc(float(_text(dead_at))) if dead_at is not None else None,
         )
@@ -1490,7 +1492,7 @@ class RabbitMQDriver(Driver):
             items = []
             for _m, props, body in picked:
                 fresh = _copy_props(props, **{H_ATTEMPT: None, H_REASON: None,
-                                              H_ATTEMPTS: None, H_DEAD_AT: None, H_DUE: None})
+                                              H_DEAD_AT: None, H_DUE: None})
                 items.append(_Item("", queue, body, fresh, True))
             pend = self._pub.publish(items, self._publish_timeout) if items else None
             moved = set(pend.acked) if pend is not None else set()

@@ -44,6 +44,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from mqabstract import wire as wire_schema
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.errors import (
@@ -73,8 +74,16 @@ MAX_WAIT = 20  #: ReceiveMessage WaitTimeSeconds
 RETENTION = 1_209_600  #: 14 days, the SQS maximum
 QUEUE_NAME_MAX = 80
 
-ATTR_TOPIC = "mq-topic"
-ATTR_META = "mq"
+ATTR_TOPIC = wire_schema.TOPIC
+ATTR_META = "mq"  # the packed wire schema: one JSON object, keys from wire.PACKED
+# Packed keys of the wire schema (mqabstract/wire.py); the others are this packing's own:
+# "v" version, "e" body encoding, "h" headers, "p" priority.
+M_ID, M_ATTEMPT, M_PUBLISHED, M_DUE, M_REASON, M_DEAD_AT, M_KEY = (
+    wire_schema.PACKED[name] for name in (
+        wire_schema.ID, wire_schema.ATTEMPT, wire_schema.PUBLISHED_AT, wire_schema.DELIVER_AT,
+        wire_schema.REASON, wire_schema.DEAD_AT, wire_schema.KEY,
+    )
+)
 _OURS = (ATTR_TOPIC, ATTR_META)
 NATIVE_HEADER_SLOTS = MAX_ATTRIBUTES - len(_OURS)
 #: Room kept for attributes in the SNS budget: topic, packed metadata and headers (JSON
@@ -183,13 +192,13 @@ def _dumps(meta: Mapping[str, Any]) -> str:
 
 def _to_wire(env: Envelope) -> _Wire:
     text, flag = _encode_body(env.body)
-    meta: dict[str, Any] = {"v": 1, "i": env.id, "t": env.published_at}
+    meta: dict[str, Any] = {"v": 1, M_ID: env.id, M_PUBLISHED: env.published_at}
     if env.key is not None:
-        meta["k"] = env.key
+        meta[M_KEY] = env.key
     if env.priority:
         meta["p"] = env.priority
     if env.deliver_at is not None:
-        meta["d"] = env.deliver_at
+        meta[M_DUE] = env.deliver_at
     if flag:
         meta["e"] = flag
     attrs: dict[str, dict[str, str]] = {
@@ -222,7 +231,7 @@ def _from_sqs(msg: Mapping[str, Any]) -> _Wire:
         except ValueError:
             meta = {}
     sysattrs = msg.get("Attributes") or {}
-    group = sysattrs.get("MessageGroupId") or str(meta.get("i") or msg.get("MessageId"))
+    group = sysattrs.get("MessageGroupId") or str(meta.get(M_ID) or msg.get("MessageId"))
     return _Wire(msg.get("Body", ""), attrs, meta, group)
 
 
@@ -764,7 +773,7 @@ class SQSDriver(Driver):
             ):
                 drop.append(msg["ReceiptHandle"])  # admitted by the filter policy superset only
                 continue
-            due = wire.meta.get("d")
+            due = wire.meta.get(M_DUE)
             if isinstance(due, (int, float)) and due > now:
                 self._defer(receipt, float(due) - now)
                 continue
@@ -781,8 +790,8 @@ class SQSDriver(Driver):
         meta = wire.meta
         sysattrs = msg.get("Attributes") or {}
         count = int(sysattrs.get("ApproximateReceiveCount", 1))
-        attempt = count + int(meta.get("a", 0))
-        due = meta.get("d")
+        attempt = count + int(meta.get(M_ATTEMPT, 0))
+        due = meta.get(M_DUE)
         first = sysattrs.get("ApproximateFirstReceiveTimestamp")
         if group.fifo and isinstance(due, (int, float)) and first:
             # FIFO delay hops were receives too: one per started 12 h before the due time.
@@ -796,14 +805,14 @@ class SQSDriver(Driver):
         packed = meta.get("h")
         if isinstance(packed, dict):
             headers.update({str(k): str(v) for k, v in packed.items()})
-        key = meta.get("k")
+        key = meta.get(M_KEY)
         if key is None and not meta and group.fifo:
             key = sysattrs.get("MessageGroupId")
-        published = meta.get("t")
+        published = meta.get(M_PUBLISHED)
         if not isinstance(published, (int, float)):
             published = int(sysattrs.get("SentTimestamp", time.time() * 1000)) / 1000.0
         return Delivery(
-            id=str(meta.get("i") or msg.get("MessageId")),
+            id=str(meta.get(M_ID) or msg.get("MessageId")),
             topic=topic or group.name,
             body=_decode_body(wire.body, meta.get("e")),
             headers=headers,
@@ -886,7 +895,8 @@ class SQSDriver(Driver):
             return
         # Longer than SQS lets a message stay hidden: send a copy that remembers its attempts
         # and becomes due later, then drop this one.
-        wire = receipt.wire.with_meta(a=receipt.attempt, d=time.time() + delay)
+        wire = receipt.wire.with_meta(**{M_ATTEMPT: receipt.attempt,
+                                         M_DUE: time.time() + delay})
         self._send(receipt.group.queue_url, wire, min(MAX_DELAY_SECONDS, seconds),
                    receipt.group.fifo)
         self._delete_handles(receipt.group.queue_url, [receipt.handle])
@@ -904,10 +914,11 @@ class SQSDriver(Driver):
         d = receipt.delivery
         wire = receipt.wire
         if d is not None and not wire.meta:  # a foreign message: give it our metadata
-            meta = {"v": 1, "i": d.id, "t": d.published_at}
+            meta = {"v": 1, M_ID: d.id, M_PUBLISHED: d.published_at}
             wire = _Wire(wire.body, dict(wire.attributes), meta, wire.group_id).with_meta()
             wire.attributes.setdefault(ATTR_TOPIC, {"DataType": "String", "StringValue": d.topic})
-        wire = wire.with_meta(r=reason, n=int(attempts), x=time.time(), a=None, d=None)
+        wire = wire.with_meta(**{M_REASON: reason, M_ATTEMPT: int(attempts),
+                                 M_DEAD_AT: time.time(), M_DUE: None})
         self._send(receipt.group.dlq_url, wire, 0, False)
         self._delete_handles(receipt.group.queue_url, [receipt.handle])
 
@@ -958,18 +969,20 @@ class SQSDriver(Driver):
         if isinstance(meta.get("h"), dict):
             headers.update(meta["h"])
         sent = int((msg.get("Attributes") or {}).get("SentTimestamp", 0)) / 1000.0
-        published = meta.get("t") if isinstance(meta.get("t"), (int, float)) else sent
+        published = meta.get(M_PUBLISHED)
+        if not isinstance(published, (int, float)):
+            published = sent
         return DeadLetter(
-            id=str(meta.get("i") or msg["MessageId"]),
+            id=str(meta.get(M_ID) or msg["MessageId"]),
             topic=wire.attributes.get(ATTR_TOPIC, {}).get("StringValue", ""),
             body=_decode_body(wire.body, meta.get("e")),
             headers=headers,
-            key=meta.get("k"),
+            key=meta.get(M_KEY),
             priority=int(meta.get("p", 0)),
             published_at=utc(float(published)),
-            attempts=int(meta.get("n", 0)),
-            reason=str(meta.get("r", "")),
-            dead_lettered_at=utc(float(meta.get("x", sent))),
+            attempts=int(meta.get(M_ATTEMPT, 0)),
+            reason=str(meta.get(M_REASON, "")),
+            dead_lettered_at=utc(float(meta.get(M_DEAD_AT, sent))),
         )
 
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
@@ -988,7 +1001,7 @@ class SQSDriver(Driver):
         messages = self._scan(g.dlq_url)
         chosen, rest = [], []
         for m in messages:
-            mid = str(_from_sqs(m).meta.get("i") or m["MessageId"])
+            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
             (chosen if ids is None or mid in ids else rest).append(m)
         return g, chosen, rest
 
@@ -996,7 +1009,8 @@ class SQSDriver(Driver):
         g, chosen, rest = self._select(group, ids)
         try:
             for m in chosen:
-                wire = _from_sqs(m).with_meta(r=None, n=None, x=None, a=None, d=None)
+                wire = _from_sqs(m).with_meta(**{M_REASON: None, M_ATTEMPT: None,
+                                                 M_DEAD_AT: None, M_DUE: None})
                 self._send(g.queue_url, wire, 0, g.fifo)
             self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
         finally:
