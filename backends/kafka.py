@@ -49,6 +49,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
+from mqabstract import wire
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.errors import (
@@ -70,16 +71,16 @@ __all__ = ["KafkaDriver", "kafka_topic_name", "topic_regex"]
 
 log = logging.getLogger("mqabstract.kafka")
 
-# Headers we carry; users cannot set ``mq-`` headers (the portable layer rejects them).
-H_ID = "mq-id"
-H_TS = "mq-ts"  # published_at, exact float (the record timestamp has ms precision)
-H_TOPIC = "mq-topic"  # mqabstract topic, on retry/dead-letter records and hashed topics
-H_KEY = "mq-key"  # original key on dead-letter records (their Kafka key is the entry id)
-H_N = "mq-n"  # deliveries so far (attempt of the next delivery = n + 1)
-H_DUE = "mq-due"  # epoch seconds before which the record must not be delivered
-H_HOPS = "mq-hops"  # idle hand-offs between consumers of a group, for back-off
-H_REASON = "mq-reason"
-H_DEAD_AT = "mq-dead-at"
+# Headers we carry: the wire schema (mqabstract/wire.py); users cannot set ``mq-`` headers.
+H_ID = wire.ID
+H_TS = wire.PUBLISHED_AT  # exact float (the record timestamp has ms precision)
+H_TOPIC = wire.TOPIC  # mqabstract topic, on retry/dead-letter records and hashed topics
+H_KEY = wire.KEY  # original key on dead-letter records (their Kafka key is the entry id)
+H_N = wire.ATTEMPT  # deliveries so far (attempt of the next delivery = n + 1)
+H_DUE = wire.DELIVER_AT  # epoch seconds before which the record must not be delivered
+H_HOPS = wire.HOPS  # idle hand-offs between consumers of a group, for back-off
+H_REASON = wire.REASON
+H_DEAD_AT = wire.DEAD_AT
 
 MAX_TOPIC = 249  # Apache Kafka's limit on topic names
 INTERNAL = "__mqa.."  # internal names contain "..", which no mapped mqabstract name does
@@ -684,7 +685,7 @@ class KafkaDriver(Driver):
     @staticmethod
     def _dead_letter(rec: Any) -> DeadLetter:
         h = _hdr(rec.headers)
-        meta = {k: h.pop(k) for k in list(h) if k.startswith("mq-")}
+        meta = {k: h.pop(k) for k in list(h) if k.startswith(wire.PREFIX)}
         dead_at = meta.get(H_DEAD_AT)
         return DeadLetter(
             id=meta.get(H_ID, ""),
@@ -1431,7 +1432,7 @@ class KafkaSubscription(DriverSubscription):
         headers: dict[str, str] = {}
         meta: dict[str, str] = {}
         for k, v in r.headers or ():
-            if k.startswith("mq-"):
+            if k.startswith(wire.PREFIX):
                 meta[k] = v.decode("utf-8", "replace") if v else ""
             else:
                 headers[k] = v.decode("utf-8", "replace") if v else ""

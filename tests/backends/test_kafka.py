@@ -16,6 +16,7 @@ import pytest
 kafka = pytest.importorskip("kafka")
 
 import mqabstract  # noqa: E402
+from mqabstract import wire  # noqa: E402
 from mqabstract.backends.kafka import kafka_topic_name, topic_regex  # noqa: E402
 from mqabstract.names import topic_matches  # noqa: E402
 from tests.brokers import resolve_url  # noqa: E402
@@ -56,7 +57,27 @@ def test_mqabstract_publish_is_readable_by_plain_consumer(url, mq, names) -> Non
     assert rec.key == b"order-7"
     headers = dict(rec.headers)
     assert headers["trace"] == b"abc" and headers["lang"] == b"fr"
-    assert headers["mq-id"] == mid.encode()
+    assert headers[wire.ID] == mid.encode()  # the wire schema, readable by any client
+    assert abs(float(headers[wire.PUBLISHED_AT]) - time.time()) < 60
+    assert not any(k.startswith(wire.PREFIX) and k not in wire.NAMES for k in headers)
+
+
+def test_plain_producer_writing_the_wire_schema(url, mq, names) -> None:
+    """A plain client that writes mq-id / mq-attempt / mq-published-at is understood."""
+    group, root = names
+    sub = mq.subscribe(group, f"{root}.#")
+    producer = kafka.KafkaProducer(bootstrap_servers=_bootstrap(url), acks="all")
+    try:
+        producer.send(kafka_topic_name(f"{root}.wire"), value=b"w", headers=[
+            (wire.ID, b"order-42"), (wire.ATTEMPT, b"2"), (wire.PUBLISHED_AT, b"1700000000.5"),
+        ]).get(timeout=15)
+    finally:
+        producer.close()
+    [msg] = sub.receive(1, 20)
+    assert (msg.id, msg.attempt, msg.published_at.timestamp()) == ("order-42", 3, 1700000000.5)
+    assert msg.headers == {}
+    msg.ack()
+    sub.close()
 
 
 def test_plain_producer_reaches_mqabstract_group(url, mq, names) -> None:
