@@ -1033,7 +1033,7 @@ class PrivateMoto(_Managed):
         self.python = python or os.environ.get("MQ_BROKERS_PYTHON") or sys.executable
 
     def _marker(self) -> str:
-        return f"moto.server -H {HOST} -p {self.port}"
+        return f"moto_server.py -H {HOST} -p {self.port}"
 
     def _launch(self) -> int:
         check = (
@@ -1050,7 +1050,9 @@ class PrivateMoto(_Managed):
                 f"(`{self.python} -m pip install 'moto[server]'`) or pass --python / set "
                 "MQ_BROKERS_PYTHON to an interpreter that has it"
             )
-        argv = [self.python, "-m", "moto.server", "-H", HOST, "-p", str(self.port)]
+        # moto's server, with its receive made atomic (see scripts/moto_server.py)
+        argv = [self.python, str(REPO / "scripts" / "moto_server.py"), "-H", HOST,
+                "-p", str(self.port)]
         return self._spawn(argv, _clean_env())
 
 
