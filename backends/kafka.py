@@ -1244,6 +1244,13 @@ class KafkaSubscription(DriverSubscription):
                 if _slot(tp, self.slot_count) in slots:
                     wanted.add(tp)
         new = wanted - self.data_assigned
+        with self.lock:
+            # A rebalance may revoke and give back a slot between two refreshes (a fast
+            # join: one poll of the group thread): its data partitions stay assigned to
+            # the data consumer but were suspended (no longer in ``parts``). Adopt them
+            # again, or their records are dropped and their leases never expire.
+            if version == self.slot_version:
+                new |= {tp for tp in wanted & self.data_assigned if tp not in self.parts}
         if wanted != self.data_assigned:
             with self.cv:
                 for tp in self.data_assigned - wanted:
