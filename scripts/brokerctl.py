@@ -933,12 +933,15 @@ class KafkaCluster(_Lifecycle):
         """Start every node not running (all at once: a quorum needs a majority)."""
         timeout = timeout or START_TIMEOUT["kafka"] * 2
         t0 = time.monotonic()
-        for node in self.nodes:
-            if not node.running():
-                node.begin()
+        pids = {node: node.pid() or node.begin() for node in self.nodes}
         deadline = time.monotonic() + timeout  # after any install
         while time.monotonic() < deadline:
-            dead = [n for n in self.nodes if not n.running()]
+            for node in self.nodes:
+                if node._popen is not None:
+                    node._popen.poll()  # reap our own child so a crash shows as dead
+            # by pid, not by running(): a child between fork and exec does not show the
+            # broker's command line yet, and would look like a process that exited
+            dead = [n for n, pid in pids.items() if not pid_alive(pid)]
             if dead:
                 err = dead[0]._error("exited while the cluster was starting")
                 self.stop()
