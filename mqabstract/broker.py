@@ -143,8 +143,8 @@ class Message:
 
     ``id`` is stable across redeliveries; ``attempt`` is 1 on first delivery. Settle it with
     exactly one of ``ack``, ``nack`` or ``dead_letter``; repeating the same call is a no-op.
-    The lease deadline is the start of the ``receive`` call that returned it plus the
-    group's lease (renewed by ``extend``): at or after it, every settle and ``extend``
+    The lease deadline is the start of the driver call inside ``receive`` that returned it
+    plus the group's lease (renewed by ``extend``): at or after it, every settle and ``extend``
     raises ``LeaseExpired`` without reaching the broker (the contract's one lease rule).
     """
 
@@ -216,7 +216,7 @@ class Message:
         self._sub._check_open()
         if self._state == op:
             return False
-        if self._state is not None and self._state != "expired":
+        if self.settled:
             raise AlreadySettled(f"message {self.id} was already {self._state}")
         self._check_lease()
         self._state = op
@@ -249,7 +249,7 @@ class Message:
 
     def extend(self, seconds: float) -> None:
         """Renew the lease: keep the message ours for ``seconds`` from now."""
-        if self._state is not None and self._state != "expired":
+        if self.settled:
             raise AlreadySettled(f"message {self.id} was already {self._state}")
         self._check_lease()
         self._sub._extend(self, seconds)
