@@ -68,7 +68,7 @@ def raw_consume(url: str, topic: str, n: int) -> float:
     consumer = KafkaConsumer(topic, bootstrap_servers=servers(url),
                              group_id="bench-raw-" + secrets.token_hex(4),
                              enable_auto_commit=False, auto_offset_reset="earliest",
-                             session_timeout_ms=2000, heartbeat_interval_ms=500,
+                             session_timeout_ms=6000, heartbeat_interval_ms=1000,  # Apache minimum
                              max_poll_records=1000, fetch_max_wait_ms=100)
     got, start = 0, None
     deadline = time.monotonic() + 300
