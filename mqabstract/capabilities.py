@@ -75,6 +75,9 @@ class Capabilities:
     max_lease: float = 12 * 3600.0  #: longest lease (visibility timeout / extend), seconds
     #: shortest lease (and extend) the backend can keep, seconds; shorter ones are rejected
     min_lease: float = 0.05
+    #: a frozen or killed holder's messages are deliverable to others at most this many
+    #: seconds after its lease deadline (the broker's detection time; reliability-tested)
+    release_margin: float = 1.0
     max_receive: int = 1000  #: most messages one driver receive call returns
     max_consumers_per_group: int | None = None  #: None = unlimited (Kafka: partitions)
     shared_between_processes: bool = True  #: False for memory://
