@@ -7,36 +7,49 @@ Mapping (details and trade-offs in ``docs/backends/rabbitmq.md``):
   consumers of a group compete on that queue. Quorum queues by default (exact redelivery
   counts), classic queues with ``x-max-priority`` for ``priority=True`` groups, and
   ``x-single-active-consumer`` for ``ordered=True`` groups.
-* Publishing and consuming run on one I/O thread that owns a pika ``SelectConnection``;
-  other threads hand it work with ``add_callback_threadsafe``. Publisher confirms are
-  tracked by delivery tag, so a batch is pipelined: one round trip, not one per message.
+* Publishing runs from the calling thread on a blocking connection of its own, with
+  confirms tracked by delivery tag, so a batch is pipelined: one round trip, not one per
+  message. Each subscription consumes on a ``SelectConnection`` of its own; all of them
+  run on one I/O thread, which other threads reach through ``add_callback_threadsafe``.
 * Redelivery (nack, lease expiry), delays and dead letters are "copy, confirm, then ack the
   original": the copy carries the attempt count in ``mq-attempt``, so counts are exact on
   every queue type; broker-side redelivery (a consumer's connection died) adds
-  ``x-delivery-count`` (quorum) or the ``redelivered`` flag (classic).
+  ``x-delivery-count`` (quorum) or the ``redelivered`` flag (classic: such a message is
+  re-sent with its attempt written down before anyone gets it, so the next broker-side
+  redelivery counts on from there). Copies go out on the subscription's own connection:
+  when it dies, neither the copy nor the ack of its original went out.
 * Delays use one wait queue per delay tier (queue TTL, dead-lettered to the exchange for a
   delayed publish, or to the group queue for ``nack(delay)``). A message that comes out of
   a tier before its ``mq-deliver-at`` is sent to the next tier by the consumer that sees
   it, so nothing is ever delivered early.
 * Leases are kept by the driver: an unsettled message is copied back with attempt + 1 when
-  its lease runs out. A dead consumer's messages are redelivered by the broker.
+  its lease runs out. A dead consumer's messages are redelivered by the broker; a frozen
+  one's (SIGSTOP, GC or VM stall) are taken back by a watchdog process that cuts its
+  subscription connection half a second after the earliest lease deadline it holds, so
+  they are deliverable again within ``RELEASE_MARGIN`` of that deadline.
 * Declarations, dead-letter list/replay/purge and stats use a second, blocking connection.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import hashlib
 import heapq
 import itertools
 import logging
+import math
+import os
+import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -52,6 +65,7 @@ from mqabstract.errors import (
     Closed,
     ConnectionFailed,
     InvalidArgument,
+    LeaseExpired,
     MQError,
     NotFound,
     PublishError,
@@ -393,159 +407,249 @@ class _Publisher:
 
 
 # ----------------------------------------------------------------------------------------
+# the lease watchdog
+
+# RabbitMQ 3.10 keeps an unacked message with its consumer until the consumer's channel or
+# connection closes, and our leases are timers in the driver's I/O thread: a process that
+# is frozen (SIGSTOP, a long GC or VM stall) keeps its messages until the AMQP heartbeat
+# timeout (2-3 heartbeats after its last byte), however short the lease. A heartbeat
+# derived from the lease cannot fix that: the broker counts from the moment of the freeze,
+# not from the receive, so a holder frozen early would lose its messages before the
+# deadline and one frozen late would keep them up to 3 heartbeats after it.
+#
+# Instead every process that consumes has one small watchdog process (stdlib only, its
+# own session, so a stop signal for the application's process group does not reach it).
+# Each subscription has a connection of its own, passes the watchdog a duplicate of its
+# socket and keeps it told when it would release something by itself: its earliest lease
+# deadline (reported by the receive or settle that changes it, under the subscription's
+# lock), or, while it consumes holding no lease, now + _WATCH_LIVE (reported by the I/O
+# thread's tick). When that time + _WATCH_GRACE passes without a newer report (the tick
+# releases expired leases every _TICK), the watchdog shuts the socket down: the broker sees
+# the connection close and requeues what it held. The woken process reads the closed
+# socket before it hands out anything it had buffered (see ``_Sub._sync_locked``). The
+# watchdog exits when the application's process does (a pipe reaches end of file).
+
+_WATCH_GRACE = 0.5  # seconds past a reported deadline before the watchdog cuts the socket
+_WATCH_LIVE = 1.0  # a consumer holding no lease reports now + this (its buffer's release)
+_WATCH_STEP = 0.2  # later release times closer than this to the reported one wait a tick
+#: what the driver declares as Capabilities.release_margin with the watchdog: the grace,
+#: plus the broker noticing the closed socket and requeueing (measured: under 0.2 s on a
+#: busy 2-core machine), plus headroom for a loaded host scheduling the watchdog late
+RELEASE_MARGIN = 1.5
+
+_WATCHDOG_SRC = r"""
+import os, select, socket, sys, time
+ctl = socket.socket(fileno=int(sys.argv[1]))
+ctl.setblocking(False)
+life = int(sys.argv[2])
+grace = float(sys.argv[3])
+watched = {}
+def drop(key, cut):
+    entry = watched.pop(key, None)
+    if entry is None:
+        return
+    if cut:
+        try:
+            entry[0].shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    entry[0].close()
+while True:
+    now = time.monotonic()
+    for key, (_s, due) in list(watched.items()):
+        if now >= due + grace:
+            drop(key, True)
+    wait = min((due + grace - now for _s, due in watched.values()), default=None)
+    if wait is not None:
+        wait = min(max(0.0, wait), 3600.0)
+    try:
+        ready = select.select([ctl, life], [], [], wait)[0]
+    except InterruptedError:
+        continue
+    if life in ready and not os.read(life, 64):
+        break
+    if ctl in ready:
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 8)
+            except (BlockingIOError, InterruptedError):
+                break
+            fds = list(fds)
+            for line in data.decode("ascii", "replace").splitlines():
+                words = line.split()
+                if not words:
+                    continue
+                if words[0] == "W" and fds:
+                    drop(words[1], False)
+                    watched[words[1]] = [socket.socket(fileno=fds.pop(0)), float(words[2])]
+                elif words[0] == "D" and words[1] in watched:
+                    watched[words[1]][1] = float(words[2])
+                elif words[0] == "X":
+                    drop(words[1], False)
+            for fd in fds:
+                os.close(fd)
+"""
+
+
+class _Watchdog:
+    """This process's watchdog (see above): spawned on first use, again after a fork or
+    if it died. Sends never block: a report that cannot be sent now is sent on the next
+    tick. Every method may be called from any thread."""
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _current: ClassVar[_Watchdog | None] = None
+    _failed: ClassVar[bool] = False
+    keys: ClassVar[Iterator[int]] = itertools.count(1)
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this platform can run the watchdog (Unix sockets passing descriptors)."""
+        return bool(hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
+                    and os.name == "posix" and sys.executable)
+
+    @classmethod
+    def get(cls) -> _Watchdog | None:
+        """The running watchdog, spawning it if needed; None if it cannot run."""
+        with cls._lock:
+            dog = cls._current
+            if dog is not None and dog.alive:
+                return dog
+            if cls._failed or not cls.available():
+                return None
+            if dog is not None:
+                dog.close()
+            try:
+                cls._current = dog = cls()
+            except Exception as exc:
+                cls._failed = True
+                log.warning("rabbitmq: cannot start the lease watchdog (%s); frozen consumers "
+                            "keep their messages until the heartbeat timeout", exc)
+                return None
+            return dog
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        life_r, life_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG_SRC, str(child.fileno()),
+                 str(life_r), repr(_WATCH_GRACE)],
+                pass_fds=(child.fileno(), life_r), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        except BaseException:
+            parent.close()
+            os.close(life_w)
+            raise
+        finally:
+            child.close()
+            os.close(life_r)
+        parent.setblocking(False)
+        self.ctl = parent
+        self.life = life_w
+        self.pid = os.getpid()
+        self.alive = True
+
+    def send(self, text: str, fd: int | None = None) -> bool:
+        """Send one report; False if it could not go out now."""
+        if not self.alive or self.pid != os.getpid():
+            return False
+        data = text.encode("ascii")
+        try:
+            if fd is None:
+                self.ctl.send(data)
+            else:
+                socket.send_fds(self.ctl, [data], [fd])
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:  # the watchdog is gone: the next get() starts another
+            log.warning("rabbitmq: the lease watchdog stopped (%s); restarting it", exc)
+            self.alive = False
+            return False
+
+    def close(self) -> None:
+        self.alive = False
+        if self.pid != os.getpid():
+            return
+        with contextlib.suppress(OSError):
+            os.close(self.life)
+        self.ctl.close()
+        with contextlib.suppress(Exception):
+            self.proc.wait(1.0)
+
+    @classmethod
+    def _after_fork(cls) -> None:
+        """In a forked child: let go of the parent's watchdog (it watches the parent)."""
+        dog, cls._current = cls._current, None
+        cls._lock = threading.Lock()
+        if dog is not None:
+            dog.alive = False
+            dog.proc.returncode = 0  # not this process's child: never wait for it here
+            with contextlib.suppress(OSError):
+                os.close(dog.life)
+            dog.ctl.close()
+
+    @classmethod
+    def _at_exit(cls) -> None:
+        dog, cls._current = cls._current, None
+        if dog is not None:
+            dog.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Watchdog._after_fork)
+atexit.register(_Watchdog._at_exit)
+
+
+# ----------------------------------------------------------------------------------------
 # the I/O thread
 
 
 class _Link:
-    """A pika SelectConnection on its own thread: publishes with confirms, feeds consumers,
-    reconnects with backoff. Everything touching pika objects runs on that thread."""
+    """The I/O thread: a pika IOLoop that runs every subscription's own ``SelectConnection``
+    and a lease tick. Everything touching those pika objects runs on this thread; other
+    threads hand it work with ``call``."""
 
     def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
         self.params = params
         self.where = where
         self.ioloop = IOLoop()
-        self.conn: pika.SelectConnection | None = None
-        self.conn_gen = 0
-        self.ch: Any = None  # the confirm-mode publish channel, when open
-        self.ready = threading.Event()  # publish channel usable
         self.closing = False
         self.subs: set[_Sub] = set()
-        self.confirms = _Confirms()
-        self._failures = 0
-        self._opened = threading.Event()
-        self._open_error: BaseException | None = None
-        self.last_error = ""
+        self._running = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mqabstract-rabbitmq-io",
                                         daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float) -> None:
         self._thread.start()
-        if not self._opened.wait(timeout) or not self.ready.wait(timeout):
+        if not self._running.wait(timeout):
             self.stop()
-            raise ConnectionFailed(f"cannot connect to RabbitMQ at {self.where}: timed out "
-                                   f"after {timeout:g}s")
-        if self._open_error is not None:
-            self.stop()
-            raise ConnectionFailed(
-                f"cannot connect to RabbitMQ at {self.where}: "
-                f"{redact(_describe(self._open_error))}"
-            ) from self._open_error
+            raise ConnectionFailed(f"rabbitmq at {self.where}: the I/O thread did not start "
+                                   f"within {timeout:g}s")
 
     def _run(self) -> None:
-        self._connect()
         self.ioloop.call_later(_TICK, self._tick)
+        self.ioloop.add_callback_threadsafe(self._running.set)
         try:
             self.ioloop.start()
         finally:
             with contextlib.suppress(Exception):
                 self.ioloop.close()
 
-    def _connect(self) -> None:
-        if self.closing:
-            return
-        params = self.params[self._failures % len(self.params)]
-        self.conn = pika.SelectConnection(
-            params,
-            on_open_callback=self._on_open,
-            on_open_error_callback=self._on_open_error,
-            on_close_callback=self._on_closed,
-            custom_ioloop=self.ioloop,
-        )
-
     def stop(self, timeout: float = 10.0) -> None:
-        """Close the connection and end the I/O thread (idempotent)."""
+        """End the I/O thread (idempotent); subscriptions close their connections first."""
         if self.closing and not self._thread.is_alive():
             return
         self.closing = True
-
-        def shut() -> None:
-            conn = self.conn
-            if conn is not None and (conn.is_open or conn.is_opening):
-                with contextlib.suppress(Exception):
-                    conn.close()
-                    return  # _on_closed stops the loop
-            self.ioloop.stop()
-
         if self._thread.is_alive():
-            self.call(shut)
+            self.call(self.ioloop.stop)
             self._thread.join(timeout)
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the I/O thread (from any thread)."""
         self.ioloop.add_callback_threadsafe(fn)
-
-    # -- connection events -----------------------------------------------------------------
-    def _on_open(self, conn: Any) -> None:
-        self.conn_gen += 1
-        self._failures = 0
-        conn.channel(on_open_callback=self._on_pub_channel)
-        for sub in list(self.subs):
-            sub._io_connected()
-
-    def _on_open_error(self, conn: Any, err: BaseException) -> None:
-        self.last_error = redact(_describe(err))
-        if not self._opened.is_set():
-            self._open_error = err
-            self._opened.set()
-            self.ready.set()
-            self.closing = True
-            self.ioloop.stop()
-            return
-        self._reconnect_later()
-
-    def _on_closed(self, conn: Any, reason: BaseException) -> None:
-        self.ready.clear()
-        self.ch = None
-        self._fail_outstanding()
-        for sub in list(self.subs):
-            sub._io_lost()
-        if self.closing:
-            self.ioloop.stop()
-            return
-        self.last_error = redact(_describe(reason))
-        log.warning("rabbitmq connection to %s lost (%s); reconnecting", self.where,
-                    self.last_error)
-        self._reconnect_later()
-
-    def _reconnect_later(self) -> None:
-        self._failures += 1
-        pause = min(5.0, 0.1 * 2 ** min(self._failures, 6))
-        self.ioloop.call_later(pause, self._connect)
-
-    def _on_pub_channel(self, ch: Any) -> None:
-        ch.add_on_close_callback(self._on_pub_closed)
-        self.confirms.reset()
-        ch.add_on_return_callback(self.confirms.on_return)
-        ch.confirm_delivery(self.confirms.on_confirm, callback=lambda _frame: self._pub_ready(ch))
-
-    def _pub_ready(self, ch: Any) -> None:
-        self.ch = ch
-        self._opened.set()
-        self.ready.set()
-
-    def _on_pub_closed(self, ch: Any, reason: BaseException) -> None:
-        if self.ch is ch or self.ch is None:
-            self.ch = None
-            self.ready.clear()
-            self._fail_outstanding()
-        conn = self.conn
-        if not self.closing and conn is not None and conn.is_open:
-            log.warning("rabbitmq publish channel closed (%s); reopening",
-                        redact(_describe(reason)))
-            conn.channel(on_open_callback=self._on_pub_channel)
-
-    def _fail_outstanding(self) -> None:
-        self.confirms.reset()
-
-    # -- publishing ------------------------------------------------------------------------
-    def send(self, items: Sequence[_Item], pend: _Pending) -> None:
-        """(I/O thread) publish ``items``; ``pend`` learns each one's fate."""
-        ch = self.ch
-        self.confirms.send(
-            ch.basic_publish if ch is not None else None, items, pend,
-            lambda: self.ch is ch and ch is not None and ch.is_open,
-        )
 
     # -- periodic work ---------------------------------------------------------------------
     def _tick(self) -> None:
@@ -598,9 +702,11 @@ class _Raw:
 
 
 class _Receipt:
-    """A leased message: our handle to settle it; stale once ``done``."""
+    """A leased message: our handle to settle it; stale once ``done``. ``lost`` when the
+    channel it came on closed first: the broker delivers it again, so a settle raises
+    ``LeaseExpired``."""
 
-    __slots__ = ("attempt", "deadline", "done", "extended", "raw")
+    __slots__ = ("attempt", "deadline", "done", "extended", "lost", "raw")
 
     def __init__(self, raw: _Raw, attempt: int, deadline: float) -> None:
         self.raw = raw
@@ -608,6 +714,7 @@ class _Receipt:
         self.deadline = deadline
         self.done = False
         self.extended = False
+        self.lost = False
 
 
 def _copy_props(props: Any, **headers: str | None) -> pika.BasicProperties:
@@ -638,10 +745,12 @@ def _copy_props(props: Any, **headers: str | None) -> pika.BasicProperties:
 
 
 class _Sub(DriverSubscription):
-    """One consumer on a group queue: a channel of its own, a local buffer ordered by
-    priority, driver-kept leases. Started lazily on the first ``receive`` and stopped (its
-    unread buffer handed back) when nobody has called ``receive`` for a while, so an idle
-    consumer never sits on messages that another one could take."""
+    """One consumer on a group queue: a connection and channel of its own (closing it
+    hands back exactly this subscription's messages), a local buffer ordered by priority,
+    driver-kept leases that the lease watchdog backs up when this process freezes. Started
+    lazily on the first ``receive`` and stopped (its unread buffer handed back) when nobody
+    has called ``receive`` for a while, so an idle consumer never sits on messages that
+    another one could take."""
 
     def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
         self._driver = driver
@@ -656,6 +765,11 @@ class _Sub(DriverSubscription):
         self._extended: list[tuple[float, int, _Receipt]] = []
         self._acks: list[tuple[int, int]] = []
         self._want = False  # a consumer should be running
+        self._conn: Any = None  # this subscription's SelectConnection, when there is one
+        self._failures = 0
+        self._retry: Any = None  # reconnect timer
+        self._close_done: threading.Event | None = None
+        self._lost_why = ""
         self._ch: Any = None
         self._ch_gen = 0
         self._ctag: str | None = None
@@ -665,7 +779,92 @@ class _Sub(DriverSubscription):
         self._last_receive = time.monotonic()
         self._idle = min(1.0, max(0.2, spec.lease / 2))
         self._error: MQError | None = None
+        # Copies of delivered messages whose original is not yet acked: while there are
+        # any, the watchdog must not cut the connection (the broker would redeliver the
+        # original with the same attempt as its copy).
+        self._inflight = 0
+        self._dog: _Watchdog | None = None
+        self._dog_key: str | None = None
+        self._dog_sent = math.nan  # the last release time reported to the watchdog
+        self._pub_ch: Any = None  # confirm channel for the copies, on our own connection
+        self._confirms = _Confirms()
+        self._ticks = 0  # I/O thread ticks so far
         self._link.subs.add(self)
+
+    # -- the watchdog (any thread; the ``_locked`` ones with self._lock held) --------------
+    def _due_locked(self, now: float) -> float:
+        """When this subscription would release something by itself if it were running:
+        its earliest lease deadline; while it consumes (or buffers) holding no lease, now +
+        _WATCH_LIVE; never while a copy of a delivered message is in flight."""
+        if self._inflight > 0:
+            return math.inf
+        leases = self._leases
+        while leases and (leases[0].done or leases[0].extended):
+            leases.popleft()
+        ext = self._extended
+        while ext and (ext[0][2].done or ext[0][2].deadline != ext[0][0]):
+            heapq.heappop(ext)
+        due = leases[0].deadline if leases else math.inf
+        if ext:
+            due = min(due, ext[0][0])
+        if due == math.inf and (self._want or self._buf or self._receiving):
+            due = now + _WATCH_LIVE
+        return due
+
+    def _report_locked(self, now: float) -> None:
+        dog, key = self._dog, self._dog_key
+        if dog is None or key is None:
+            return
+        due = self._due_locked(now)
+        sent = self._dog_sent
+        if due == sent or sent < due < sent + _WATCH_STEP:
+            return  # a little later than reported: still after every deadline it guards
+        if dog.send(f"D {key} {due!r}"):
+            self._dog_sent = due
+
+    def _sync_locked(self) -> None:
+        """Before handing out or settling anything: if the watchdog may have cut this
+        connection (the reported release time + grace is about to pass or has passed, so
+        the I/O thread has not run for a while: this process was frozen), let the I/O
+        thread run two ticks first. The socket it reads then is closed if the watchdog cut
+        it, and the buffer and leases of that connection are dropped before we look."""
+        if self._dog_key is None or not (
+                time.monotonic() >= self._dog_sent + _WATCH_GRACE - 2 * _WATCH_STEP):
+            return
+        until = self._ticks + 2
+        limit = time.monotonic() + 2.0
+        while self._ticks < until and self._dog_key is not None and not self._closed:
+            left = limit - time.monotonic()
+            if left <= 0 or not self._link._thread.is_alive():
+                return
+            self._cond.wait(min(left, 0.1))
+
+    def _io_watch(self) -> None:
+        """(I/O thread) give the watchdog this connection's socket (again after a restart)."""
+        conn = self._conn
+        sock = getattr(getattr(conn, "_transport", None), "_sock", None)
+        if conn is None or not conn.is_open or sock is None:
+            return
+        dog = _Watchdog.get()
+        if dog is None:
+            return
+        key = str(next(_Watchdog.keys))
+        with self._lock:
+            due = self._due_locked(time.monotonic())
+            if dog.send(f"W {key} {due!r}", sock.fileno()):
+                self._dog, self._dog_key, self._dog_sent = dog, key, due
+
+    def _io_unwatch(self) -> None:
+        with self._lock:
+            dog, key = self._dog, self._dog_key
+            self._dog = self._dog_key = None
+        if dog is not None and key is not None:
+            dog.send(f"X {key}")
+
+    def _release_done(self, count: int) -> None:
+        with self._lock:
+            self._inflight -= count
+            self._report_locked(time.monotonic())
 
     # -- I/O thread ------------------------------------------------------------------------
     def _io_start(self) -> None:
@@ -674,20 +873,115 @@ class _Sub(DriverSubscription):
         self._want = True
         if self._cancelling:
             return  # restarted when the cancel completes
-        conn = self._link.conn
+        conn = self._conn
+        if conn is None:
+            if self._retry is None:
+                self._io_connect()
+            return
+        if not conn.is_open:
+            return  # _io_conn_open continues
         if self._ch is None:
-            if conn is not None and conn.is_open:
-                self._ch = "opening"
-                conn.channel(on_open_callback=self._io_channel_open)
+            self._ch = "opening"
+            conn.channel(on_open_callback=self._io_channel_open)
         elif self._ch != "opening" and self._ctag is None:
             self._io_consume()
 
-    def _io_connected(self) -> None:
-        self._ch = None
-        self._ctag = None
-        self._cancelling = False
+    def _io_connect(self) -> None:
+        self._retry = None
+        if self._closed or self._link.closing or self._conn is not None:
+            return
+        params = self._link.params[self._failures % len(self._link.params)]
+        try:
+            self._conn = pika.SelectConnection(
+                params,
+                on_open_callback=self._io_conn_open,
+                on_open_error_callback=self._io_conn_failed,
+                on_close_callback=self._io_conn_closed,
+                custom_ioloop=self._link.ioloop,
+            )
+        except Exception as exc:
+            self._lost_why = redact(_describe(exc))
+            self._io_reconnect_later()
+
+    def _io_reconnect_later(self) -> None:
+        if self._closed or self._link.closing:
+            return
+        self._failures += 1
+        pause = min(5.0, 0.1 * 2 ** min(self._failures, 6))
+        self._retry = self._link.ioloop.call_later(pause, self._io_reconnect)
+
+    def _io_reconnect(self) -> None:
+        self._retry = None
         if self._want and not self._closed:
+            self._io_connect()
+
+    def _io_conn_open(self, conn: Any) -> None:
+        if conn is not self._conn:
+            return
+        self._failures = 0
+        if self._closed:
+            with contextlib.suppress(Exception):
+                conn.close()
+            return
+        self._io_watch()
+        # Copies go out on this connection, so a copy whose original cannot be acked (the
+        # connection died) was not sent either.
+        conn.channel(on_open_callback=self._io_pub_open)
+        if self._want:
             self._io_start()
+
+    def _io_pub_open(self, ch: Any) -> None:
+        if self._closed or self._conn is None or not self._conn.is_open:
+            with contextlib.suppress(Exception):
+                ch.close()
+            return
+        ch.add_on_close_callback(self._io_pub_closed)
+        self._confirms.reset()
+        ch.add_on_return_callback(self._confirms.on_return)
+        ch.confirm_delivery(self._confirms.on_confirm,
+                            callback=lambda _frame: setattr(self, "_pub_ch", ch))
+
+    def _io_pub_closed(self, ch: Any, reason: BaseException) -> None:
+        if self._pub_ch is ch or self._pub_ch is None:
+            self._pub_ch = None
+            self._confirms.reset()
+        conn = self._conn
+        if not self._closed and conn is not None and conn.is_open:
+            log.warning("rabbitmq copy channel closed (%s); reopening",
+                        redact(_describe(reason)))
+            conn.channel(on_open_callback=self._io_pub_open)
+
+    def _io_send(self, items: Sequence[_Item], pend: _Pending) -> None:
+        """Publish ``items`` on our confirm channel; ``pend`` learns each one's fate."""
+        ch = self._pub_ch
+        self._confirms.send(
+            ch.basic_publish if ch is not None else None, items, pend,
+            lambda: self._pub_ch is ch and ch is not None and ch.is_open,
+        )
+
+    def _io_conn_failed(self, conn: Any, err: BaseException) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        self._lost_why = redact(_describe(err))
+        log.warning("rabbitmq consumer of group %r cannot connect to %s (%s); retrying",
+                    self.spec.name, self._link.where, self._lost_why)
+        self._io_reconnect_later()
+
+    def _io_conn_closed(self, conn: Any, reason: BaseException) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        self._lost_why = redact(_describe(reason))
+        self._io_lost()
+        self._io_unwatch()
+        if self._closed:
+            if self._close_done is not None:
+                self._close_done.set()
+            return
+        log.warning("rabbitmq consumer connection of group %r to %s lost (%s); reconnecting",
+                    self.spec.name, self._link.where, self._lost_why)
+        self._io_reconnect_later()
 
     def _io_channel_open(self, ch: Any) -> None:
         if self._closed:
@@ -719,6 +1013,7 @@ class _Sub(DriverSubscription):
         self._ch = None
         self._ctag = None
         self._cancelling = False
+        self._lost_why = redact(_describe(reason))
         self._io_forget()
         if self._closed:
             return
@@ -727,24 +1022,32 @@ class _Sub(DriverSubscription):
             self._set_error(NotFound(f"group {self.spec.name!r} does not exist (its queue "
                                      "was deleted)"))
         elif code not in (0, 200, 320) and self._want:
-            log.warning("rabbitmq consumer channel closed: %s", redact(_describe(reason)))
+            log.warning("rabbitmq consumer channel closed: %s", self._lost_why)
             self._link.ioloop.call_later(0.5, self._io_start)
 
     def _io_lost(self) -> None:
         self._ch = None
         self._ctag = None
         self._cancelling = False
+        self._pub_ch = None
+        self._confirms.reset()
         self._io_forget()
 
     def _io_forget(self) -> None:
-        """The channel is gone: the broker redelivers everything it had given us."""
+        """The channel is gone: the broker redelivers everything it had given us, so the
+        leases are lost (settling one raises ``LeaseExpired``)."""
         with self._cond:
             self._buf.clear()
             for receipt in self._leases:
-                receipt.done = True
+                if not receipt.done:
+                    receipt.done = receipt.lost = True
+            for _deadline, _seq, receipt in self._extended:
+                if not receipt.done:
+                    receipt.done = receipt.lost = True
             self._leases.clear()
             self._extended.clear()
             self._acks.clear()
+            self._report_locked(time.monotonic())
             self._cond.notify_all()
 
     def _set_error(self, err: MQError) -> None:
@@ -752,32 +1055,48 @@ class _Sub(DriverSubscription):
             self._error = err
             self._cond.notify_all()
 
+    def _usable_ch(self) -> Any:
+        ch = self._ch
+        conn = self._conn
+        if (ch is None or ch == "opening" or not ch.is_open or conn is None
+                or not conn.is_open):
+            return None
+        return ch
+
     def _io_flush_acks(self) -> None:
         with self._lock:
             acks, self._acks = self._acks, []
-        ch = self._ch
-        if ch is None or ch == "opening" or not ch.is_open:
+        ch = self._usable_ch()
+        if ch is None:
             return
         gen = self._ch_gen
-        tags = sorted(tag for g, tag in acks if g == gen)
-        for tag in tags:
-            ch.basic_ack(tag)
+        try:
+            for tag in sorted(tag for g, tag in acks if g == gen):
+                ch.basic_ack(tag)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: redelivered anyway
+            log.debug("rabbitmq: acks not sent: %s", exc)
 
     def _io_ack_raw(self, raws: Sequence[_Raw]) -> None:
-        ch = self._ch
-        if ch is None or ch == "opening" or not ch.is_open:
+        ch = self._usable_ch()
+        if ch is None:
             return
-        for raw in raws:
-            if raw.gen == self._ch_gen:
-                ch.basic_ack(raw.tag)
+        try:
+            for raw in raws:
+                if raw.gen == self._ch_gen:
+                    ch.basic_ack(raw.tag)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:
+            log.debug("rabbitmq: acks not sent: %s", exc)
 
     def _io_requeue_raw(self, raws: Sequence[_Raw]) -> None:
-        ch = self._ch
-        if ch is None or ch == "opening" or not ch.is_open:
+        ch = self._usable_ch()
+        if ch is None:
             return
-        for raw in raws:
-            if raw.gen == self._ch_gen:
-                ch.basic_nack(raw.tag, requeue=True)
+        try:
+            for raw in raws:
+                if raw.gen == self._ch_gen:
+                    ch.basic_nack(raw.tag, requeue=True)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:
+            log.debug("rabbitmq: requeue not sent: %s", exc)
 
     def _io_copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
                           then: Callable[[], None] | None = None) -> None:
@@ -788,13 +1107,16 @@ class _Sub(DriverSubscription):
             return
 
         def done(pend: _Pending) -> None:
-            good = set(pend.acked) | set(pend.returned)
-            self._io_ack_raw([copies[j][0] for j in sorted(good)])
-            self._io_requeue_raw([copies[j][0] for j in range(len(copies)) if j not in good])
-            if then is not None:
-                then()
+            try:
+                good = set(pend.acked) | set(pend.returned)
+                self._io_ack_raw([copies[j][0] for j in sorted(good)])
+                self._io_requeue_raw([copies[j][0] for j in range(len(copies))
+                                      if j not in good])
+            finally:
+                if then is not None:
+                    then()
 
-        self._link.send([c[1] for c in copies], _Pending(len(copies), done))
+        self._io_send([c[1] for c in copies], _Pending(len(copies), done))
 
     def _io_tick(self, now: float) -> None:
         expired: list[_Receipt] = []
@@ -814,10 +1136,18 @@ class _Sub(DriverSubscription):
                     expired.append(receipt)
             idle = (self._ctag is not None and not self._cancelling and self._receiving == 0
                     and now - self._last_receive > self._idle)
+            self._inflight += len(expired)
+            self._report_locked(now)
+            watch = self._dog is None or not self._dog.alive
+            self._ticks += 1
+            self._cond.notify_all()
+        if watch and self._conn is not None and self._conn.is_open:
+            self._io_watch()
         if expired:
             self._io_copy_then_ack(
                 [(r.raw, self._driver._retry_item(r.raw, self.queue, r.attempt + 1, 0.0))
-                 for r in expired]
+                 for r in expired],
+                lambda: self._release_done(len(expired)),
             )
         if idle:
             self._io_pause()
@@ -856,11 +1186,21 @@ class _Sub(DriverSubscription):
     def _io_close(self, done: threading.Event) -> None:
         def finish() -> None:
             self._io_flush_acks()
-            ch = self._ch
-            self._ch = None
-            if ch is not None and ch != "opening" and ch.is_open:
-                ch.close()
+            self._want = False
             self._link.subs.discard(self)
+            self._io_unwatch()
+            if self._retry is not None:
+                with contextlib.suppress(Exception):
+                    self._link.ioloop.remove_timeout(self._retry)
+                self._retry = None
+            conn = self._conn
+            if conn is not None and (conn.is_open or conn.is_opening):
+                self._close_done = done
+                try:
+                    conn.close()  # pending acks go out first; _io_conn_closed sets done
+                    return
+                except Exception as exc:
+                    log.debug("rabbitmq: closing a consumer connection: %s", exc)
             done.set()
 
         if self._cancelling:
@@ -876,18 +1216,28 @@ class _Sub(DriverSubscription):
             raise self._error
         self._driver._check()
 
+    def _lost(self, receipt: _Receipt) -> LeaseExpired:
+        return LeaseExpired(
+            f"message {receipt.raw.props.message_id} (attempt {receipt.attempt}): its "
+            f"lease was lost with the consumer's channel ({self._lost_why or 'closed'}); "
+            "it will be delivered again with the next attempt")
+
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
         self._check()
+        # The lease starts with this call (the portable layer's deadline is no later).
+        started = time.monotonic()
+        lease_until = started + self.spec.lease
         if not self._want or self._ch is None:
             self._want = True
             self._link.call(self._io_start)
-        deadline = time.monotonic() + timeout
+        deadline = started + timeout
         out: list[Delivery] = []
         while True:
-            early: list[tuple[_Raw, float]] = []
+            again: list[tuple[_Raw, float | None]] = []
             with self._cond:
                 self._receiving += 1
                 try:
+                    self._sync_locked()
                     while not self._buf and self._error is None and not self._closed:
                         left = deadline - time.monotonic()
                         if left <= 0:
@@ -895,68 +1245,110 @@ class _Sub(DriverSubscription):
                         self._cond.wait(left)
                     if self._error is not None:
                         raise self._error
+                    if self._buf:
+                        self._sync_locked()
                     now = time.time()
-                    lease_until = time.monotonic() + self.spec.lease
                     while self._buf and len(out) < max_messages:
                         raw = heapq.heappop(self._buf)[2]
                         if raw.gen != self._ch_gen:
                             continue  # from a channel that is gone: it comes back anyway
                         due = raw.due()
                         if due is not None and due > now:
-                            early.append((raw, due))
+                            again.append((raw, due))
+                            continue
+                        headers = raw.props.headers or {}
+                        if raw.redelivered and "x-delivery-count" not in headers:
+                            # A classic queue redelivered it (its consumer's channel died)
+                            # and only says "at least once more": re-send it with that
+                            # attempt written down first, so the next redelivery counts
+                            # on from there instead of repeating this attempt.
+                            again.append((raw, None))
                             continue
                         attempt = raw.attempt()
                         receipt = _Receipt(raw, attempt, lease_until)
                         self._leases.append(receipt)
                         out.append(self._driver._delivery(raw, attempt, receipt))
+                    self._inflight += len(again)
+                    if out or again:
+                        self._report_locked(time.monotonic())
                 finally:
                     self._receiving -= 1
                     self._last_receive = time.monotonic()
-            if early:
-                self._retier(early)
+            if again:
+                self._recopy(again)
             if out or self._closed or deadline - time.monotonic() <= 0:
                 return out
 
-    def _retier(self, early: list[tuple[_Raw, float]]) -> None:
-        """Messages out of their wait tier too soon: send each to the next tier."""
+    def _recopy(self, items: list[tuple[_Raw, float | None]]) -> None:
+        """Send messages back to the queue instead of delivering them: early ones (out of
+        their wait tier too soon) to the next tier, classic redeliveries with their
+        attempt written down."""
         copies = []
-        for raw, due in early:
-            item = self._driver._retry_item(raw, self.queue, raw.attempt(), due)
-            copies.append((raw, item))
-        self._link.call(lambda: self._io_copy_then_ack(copies))
+        try:
+            for raw, due in items:
+                copies.append((raw, self._driver._retry_item(raw, self.queue, raw.attempt(),
+                                                             due)))
+        finally:
+            count = len(items)
+            self._link.call(lambda: self._io_copy_then_ack(
+                copies, lambda: self._release_done(count)))
 
     def _take(self, receipt: Any) -> _Receipt | None:
-        """Mark a receipt settled; None when it is stale (lease expired, channel gone)."""
+        """Mark a receipt settled; None when it is stale (its lease expired)."""
         if not isinstance(receipt, _Receipt):
             raise InvalidArgument("not a receipt of this backend")
         with self._lock:
+            self._sync_locked()
+            if receipt.lost:
+                raise self._lost(receipt)
             if receipt.done:
                 return None
             receipt.done = True
+            self._inflight += 1
+            self._report_locked(time.monotonic())
             return receipt
 
     def ack(self, receipts: Sequence[Any]) -> None:
         self._check()
+        lost = None
         with self._lock:
+            self._sync_locked()
             first = not self._acks
             for receipt in receipts:
-                if isinstance(receipt, _Receipt) and not receipt.done:
+                if isinstance(receipt, _Receipt) and receipt.lost:
+                    lost = receipt
+                elif isinstance(receipt, _Receipt) and not receipt.done:
                     receipt.done = True
                     self._acks.append((receipt.raw.gen, receipt.raw.tag))
             schedule = first and bool(self._acks)
+            self._report_locked(time.monotonic())
         if schedule:
             self._link.call(self._io_flush_acks)
+        if lost is not None:
+            raise self._lost(lost)
 
-    def _settle_by_copy(self, receipt: _Receipt, item: _Item) -> None:
-        pend = self._driver._pub.publish([item], self._driver._publish_timeout)
-        if pend.acked or pend.returned:  # returned: the target queue is gone, nothing to keep
-            raw = receipt.raw
-            self._link.call(lambda: self._io_ack_raw([raw]))
-            return
-        if pend.failed:
-            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
-        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: not confirmed in time "
-                               f"({self._driver._pub.last_error or 'connection lost'})")
+    def _settle_by_copy(self, receipt: _Receipt, item: _Item, returned_ok: bool) -> _Pending:
+        """Publish ``item`` for a taken receipt; once it is confirmed (or returned, if
+        ``returned_ok``) ack the original. Ends the in-flight count ``_take`` started (on the
+        I/O thread once the ack is written)."""
+        raw = receipt.raw
+        try:
+            pend = self._driver._pub.publish([item], self._driver._publish_timeout)
+        except BaseException:
+            self._release_done(1)
+            raise
+        if pend.acked or (returned_ok and pend.returned):
+
+            def ack_original() -> None:
+                try:
+                    self._io_ack_raw([raw])
+                finally:
+                    self._release_done(1)
+
+            self._link.call(ack_original)
+            return pend
+        self._release_done(1)
+        return pend
 
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
@@ -964,19 +1356,34 @@ class _Sub(DriverSubscription):
         if taken is None:
             return
         due = time.time() + delay if delay > 0 else None
-        item = self._driver._retry_item(taken.raw, self.queue, taken.attempt + 1, due)
-        self._settle_by_copy(taken, item)
+        try:
+            item = self._driver._retry_item(taken.raw, self.queue, taken.attempt + 1, due)
+        except BaseException:
+            self._release_done(1)
+            raise
+        # returned: the group queue is gone, nothing to keep
+        pend = self._settle_by_copy(taken, item, returned_ok=True)
+        if pend.acked or pend.returned:
+            return
+        if pend.failed:
+            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
+        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: not confirmed in time "
+                               f"({self._driver._pub.last_error or 'connection lost'})")
 
     def extend(self, receipt: Any, seconds: float) -> None:
         self._check()
         if not isinstance(receipt, _Receipt):
             raise InvalidArgument("not a receipt of this backend")
         with self._lock:
+            self._sync_locked()
+            if receipt.lost:
+                raise self._lost(receipt)
             if receipt.done:
                 return
             receipt.extended = True
             receipt.deadline = time.monotonic() + seconds
             heapq.heappush(self._extended, (receipt.deadline, next(self._seq), receipt))
+            self._report_locked(time.monotonic())
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         self._check()
@@ -984,18 +1391,23 @@ class _Sub(DriverSubscription):
         if taken is None:
             return
         raw = taken.raw
-        props = _copy_props(
-            raw.props,
-            **{H_TOPIC: self._driver._topic_of(raw), H_REASON: reason,
-               H_ATTEMPT: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
-        )
-        item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
-        pend = self._driver._pub.publish([item], self._driver._publish_timeout)
+        try:
+            props = _copy_props(
+                raw.props,
+                **{H_TOPIC: self._driver._topic_of(raw), H_REASON: reason,
+                   H_ATTEMPT: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
+            )
+            item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
+        except BaseException:
+            self._release_done(1)
+            raise
+        pend = self._settle_by_copy(taken, item, returned_ok=False)
         if pend.returned:
             raise NotFound(f"dead-letter queue of group {self.spec.name!r} is missing")
         if pend.acked:
-            self._link.call(lambda: self._io_ack_raw([raw]))
             return
+        if pend.failed:
+            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
         raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not confirmed "
                                f"({self._driver._pub.last_error or 'connection lost'})")
 
@@ -1086,8 +1498,18 @@ def _channel_error(exc: pex.ChannelClosedByBroker, what: str) -> MQError:
 # the driver
 
 
-def _rabbitmq_capabilities(max_body: int) -> Capabilities:
-    """What the driver declares; only the body limit is a per-connection option."""
+def _release_margin(heartbeat: int) -> float:
+    """Capabilities.release_margin: with the lease watchdog, RELEASE_MARGIN; without it (no
+    Unix sockets passing descriptors, e.g. Windows) the broker's heartbeat timeout, which
+    ends 2-3 heartbeats after the frozen holder's last byte (and never, with heartbeats off)."""
+    if _Watchdog.available():
+        return RELEASE_MARGIN
+    return 3.0 * heartbeat + 1.0 if heartbeat > 0 else math.inf
+
+
+def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities:
+    """What the driver declares; the body limit and, where the lease watchdog cannot run,
+    the release margin (from the heartbeat) depend on options."""
     f = Feature
     return Capabilities(
         features={
@@ -1110,10 +1532,12 @@ def _rabbitmq_capabilities(max_body: int) -> Capabilities:
         max_priority=9,
         max_lease=12 * 3600.0,
         min_lease=0.5,  # leases are timers in the driver's I/O thread
+        release_margin=release_margin,  # the lease watchdog (or the heartbeat timeout)
         max_receive=1000,
         notes={
             f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
-                            "timeout): an expired message is copied back with attempt+1",
+                            "timeout): an expired message is copied back with attempt+1; "
+                            "a watchdog process takes them back from a frozen consumer",
             f.NACK_DELAY: "per-tier wait queues with TTL dead-lettering to the group",
             f.DELAY: "per-tier wait queues with TTL dead-lettering to the exchange; "
                      "re-tiered until due, never early",
@@ -1147,7 +1571,8 @@ class RabbitMQDriver(Driver):
         "verify": Option(bool, True, "amqps: verify the server certificate"),
         "ca_file": Option(str, None, "amqps: CA bundle to verify the server with"),
     }
-    CAPABILITIES = _rabbitmq_capabilities(OPTIONS["max_body_bytes"].default)
+    CAPABILITIES = _rabbitmq_capabilities(OPTIONS["max_body_bytes"].default,
+                                          _release_margin(OPTIONS["heartbeat"].default))
 
     def __init__(self, url: BrokerURL, opts: Mapping[str, Any]) -> None:
         self._url = url
@@ -1168,7 +1593,8 @@ class RabbitMQDriver(Driver):
         self._admin = _Admin(quiet, self._where)
         self._link = _Link(params, self._where)
         self._pub = _Publisher(quiet, self._where)
-        self._caps = _rabbitmq_capabilities(opts["max_body_bytes"])
+        self._caps = _rabbitmq_capabilities(opts["max_body_bytes"],
+                                            _release_margin(opts["heartbeat"]))
 
     # -- opening ---------------------------------------------------------------------------
     @staticmethod
