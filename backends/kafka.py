@@ -35,7 +35,7 @@ import zlib
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kafka import (
     ConsumerRebalanceListener,
@@ -56,6 +56,7 @@ from mqabstract.errors import (
     Closed,
     ConnectionFailed,
     InvalidArgument,
+    LeaseExpired,
     MessageTooLarge,
     MQError,
     NotFound,
@@ -95,6 +96,10 @@ _TANSU_NO_TS = -1
 # partitions and cleanup policy: a retry topic with other slots, a dead-letter topic that
 # is not compacted, and "topic_id changed ... likely recreated" churn in every client.
 NO_AUTO_CREATE: dict[str, Any] = {"allow_auto_create_topics": False}
+#: Seconds between a frozen or dead member's eviction (its session after its last heartbeat)
+#: and the first delivery by the partitions' new owner: the join, positioning, a fetch.
+#: Measured up to 1.2 s on a loaded two-core machine; doubled and rounded up.
+_RELEASE_SLACK = 2.5
 _REBALANCING = getattr(getattr(_kstructs, "MemberState", None), "REBALANCING", "<rebalancing>")
 
 
@@ -251,6 +256,11 @@ class KafkaDriver(Driver):
         max_priority=0,
         max_receive=1000,
         min_lease=1.0,  # a lease that runs out is a re-publish to the retry topic
+        # A frozen or killed member is evicted one session (6 s) after its last heartbeat,
+        # at most one session after its lease deadline; its partitions' new owner delivers
+        # after a join (measured 6.1-7.2 s in all, docs/backends/kafka.md). The instance
+        # value follows session_timeout_ms.
+        release_margin=_RELEASE_SLACK + 6.0,
         max_consumers_per_group=4,  # the default ``partitions``
         notes={
             Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
@@ -289,7 +299,8 @@ class KafkaDriver(Driver):
             ) from exc
         # The only instance refinement: competing consumers are bounded by the partitions
         # this driver creates (retry topics included, whose partitions are the slots).
-        self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions)
+        self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions,
+                             release_margin=opts["session_timeout_ms"] / 1000 + _RELEASE_SLACK)
 
     # -- setup -------------------------------------------------------------------------------
     def _new_producer(self) -> KafkaProducer:
@@ -568,74 +579,19 @@ class KafkaDriver(Driver):
         return KafkaSubscription(self, spec, declared)
 
     def committed(self, group: str, tps: Collection[TopicPartition]
-                  ) -> dict[TopicPartition, int | None]:
-        """The group's committed offsets (None where it has none)."""
+                  ) -> dict[TopicPartition, OffsetAndMetadata | None]:
+        """The group's committed offsets with their metadata (the partition checkpoint,
+        ``_Checkpoint``); None where it has none."""
         try:
             found = self._admin(self.admin.list_group_offsets, {group: list(tps)},
                                 groups=(group,)).get(group, {})
         except Exception as exc:
             raise _native(exc, f"cannot read offsets of {group!r}", self.url) from exc
-        out: dict[TopicPartition, int | None] = {}
+        out: dict[TopicPartition, OffsetAndMetadata | None] = {}
         for tp in tps:
             oam = found.get(tp)
-            out[tp] = oam.offset if oam is not None and oam.offset >= 0 else None
+            out[tp] = oam if oam is not None and oam.offset >= 0 else None
         return out
-
-    def commit_marks(self, group: str, marks: Mapping[TopicPartition, int],
-                     budget: float | None = None) -> None:
-        """Record, in a shadow group, how far records were handed to the application.
-
-        After a crash the next owner gives records below the mark attempt + 1.
-        """
-        offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in marks.items()}
-        try:
-            self._admin(self.admin.alter_group_offsets, _shadow(group), offsets,
-                        groups=(_shadow(group),), budget=budget)
-        except Exception as exc:  # best effort: only the attempt count depends on it
-            log.debug("kafka: delivery mark for %s not stored: %s", group, exc)
-
-    def takeovers(self, group: str, starts: Mapping[TopicPartition, int | None]
-                  ) -> dict[TopicPartition, int]:
-        """Count takeovers of partitions whose records were handed out but not committed.
-
-        Stored in a second shadow group as ``(committed offset + 1) * 1000 + count``: the
-        count restarts when the committed offset moved. A record re-read after k such
-        takeovers is delivered with attempt + k, so attempts keep growing across repeated
-        crashes (offset-commit metadata would hold this more simply; tansu drops it).
-        """
-        if not starts:
-            return {}
-        key = group + "..mqa-takeovers"
-        out: dict[TopicPartition, int] = {}
-        try:
-            found = self._admin(self.admin.list_group_offsets, {key: list(starts)},
-                                groups=(key,)).get(key, {})
-            for tp, start in starts.items():
-                base = ((start if start is not None else -1) + 1) * 1000
-                oam = found.get(tp)
-                old = oam.offset if oam is not None and oam.offset >= 0 else -1
-                out[tp] = old - base + 1 if base <= old < base + 999 else 1
-            self._admin(self.admin.alter_group_offsets, key, {
-                tp: OffsetAndMetadata(((starts[tp] if starts[tp] is not None else -1) + 1)
-                                      * 1000 + n, "", -1) for tp, n in out.items()},
-                groups=(key,))
-        except Exception as exc:  # best effort: only the attempt count depends on it
-            log.debug("kafka: takeover count for %s not stored: %s", group, exc)
-            return {tp: out.get(tp, 1) for tp in starts}
-        return out
-
-    def read_marks(self, group: str) -> dict[TopicPartition, int]:
-        try:
-            found = self._admin(self.admin.list_group_offsets, {_shadow(group): None},
-                                groups=(_shadow(group),))
-        except Exception as exc:
-            if _transient(exc):  # the caller positions later: marks decide attempts
-                raise _native(exc, f"cannot read delivery marks of {group!r}",
-                              self.url) from exc
-            log.debug("kafka: delivery marks of %s unreadable: %s", group, exc)
-            return {}
-        return {tp: oam.offset for tp, oam in found.get(_shadow(group), {}).items()
-                if oam is not None and oam.offset >= 0}
 
     # -- dead letters ----------------------------------------------------------------------------
     def _read_all(self, topic: str) -> list[Any]:
@@ -746,7 +702,10 @@ class KafkaDriver(Driver):
                 with contextlib.suppress(Exception):
                     self.admin.delete_topics(topics, raise_errors=False)
                 with contextlib.suppress(Exception):
-                    self.admin.delete_groups([group, _shadow(group), _declared_key(group),
+                    # (..mqa-delivered / ..mqa-takeovers: delivery marks of versions
+                    # before the partition checkpoint)
+                    self.admin.delete_groups([group, _declared_key(group),
+                                              group + "..mqa-delivered",
                                               group + "..mqa-takeovers"])
         except Exception as exc:  # pragma: no cover - suppressed above
             raise _native(exc, f"cannot delete group {group!r}", self.url) from exc
@@ -773,29 +732,100 @@ class KafkaDriver(Driver):
                     self._meta.close()
 
 
-def _shadow(group: str) -> str:
-    return group + "..mqa-delivered"
-
-
 def _declared_key(group: str) -> str:
     return group + "..mqa-declared"
 
 
+_CKPT = "mq1"
+#: Characters of done-offset ranges in a checkpoint (Apache Kafka keeps commit metadata up
+#: to offset.metadata.max.bytes, 4096 by default).
+_CKPT_RANGES = 3000
+
+
+class _Checkpoint(NamedTuple):
+    """What the owner of a partition stores with its committed offset (commit metadata).
+
+    ``mark``: records below it were handed to an application (by this owner or earlier
+    ones). ``bump``: attempts the owner adds to records below the mark it inherited.
+    ``deadline``: epoch seconds; no lease on a record below the mark runs past it.
+    ``done``: settled offsets above the committed one (acked, re-published, dead-lettered),
+    as ranges; a subset when it does not fit (those are delivered again, with the bump).
+    """
+
+    mark: int = 0
+    bump: int = 0
+    deadline: float = 0.0
+    done: tuple[tuple[int, int], ...] = ()
+
+    def encode(self) -> str:
+        items: list[str] = []
+        size = 0
+        for a, b in self.done:
+            item = str(a) if a == b else f"{a}-{b}"
+            size += len(item) + 1
+            if size > _CKPT_RANGES:
+                break
+            items.append(item)
+        return f"{_CKPT} {self.mark} {self.bump} {int(self.deadline * 1000)} {','.join(items)}"
+
+    @classmethod
+    def decode(cls, meta: str | None) -> _Checkpoint:
+        words = (meta or "").split(" ")
+        if len(words) != 5 or words[0] != _CKPT:
+            return cls()  # none, or written by a plain client
+        try:
+            done = []
+            for item in filter(None, words[4].split(",")):
+                a, _, b = item.partition("-")
+                done.append((int(a), int(b or a)))
+            return cls(int(words[1]), int(words[2]), int(words[3]) / 1000, tuple(done))
+        except ValueError:
+            return cls()
+
+
+def _ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for off in sorted(offsets):
+        if out and off == out[-1][1] + 1:
+            out[-1] = (out[-1][0], off)
+        else:
+            out.append((off, off))
+    return tuple(out)
+
+
 class _Part:
-    """Offsets of one assigned partition: fetched, acked, committed."""
+    """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
 
-    __slots__ = ("bump", "committed", "confirmed", "done", "mark", "next_fetch", "order",
-                 "revoked_at")
+    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "hold", "inherited",
+                 "mark", "meta", "next_fetch", "order", "revoked_at", "sent_meta")
 
-    def __init__(self, committed: int | None, mark: int) -> None:
+    def __init__(self, found: OffsetAndMetadata | None) -> None:
+        committed = found.offset if found is not None else None
+        ckpt = _Checkpoint.decode(found.metadata if found is not None else None)
         self.order: deque[int] = deque()  # fetched offsets not yet committed, in order
         self.done: set[int] = set()
-        self.committed = committed
+        self.committed = committed  # last offset sent in a commit
         self.confirmed = committed  # last commit the coordinator accepted
+        self.meta = found.metadata if found is not None else None  # sent with ``committed``
+        self.sent_meta = self.meta  # as confirmed
         self.next_fetch: int | None = None
-        self.mark = mark  # records below were handed to an application before
-        self.bump = 1  # attempts to add to those: takeovers since the committed offset
-        self.revoked_at: int | None = None
+        self.mark = max(ckpt.mark, committed or 0)
+        self.deadline = ckpt.deadline
+        self.revoked_at: tuple[int | None, str | None] | None = None
+        # Records below the inherited mark were handed out by earlier owners that did not
+        # commit them: one attempt more than any of them gave (bump), not before the last
+        # lease on them ends (hold), except those the checkpoint lists as settled.
+        if committed is not None and ckpt.mark > committed:
+            self.inherited = ckpt.mark
+            self.bump = ckpt.bump + 1
+            self.hold = ckpt.deadline
+            for a, b in ckpt.done:
+                if b >= committed:
+                    self.done.update(range(max(a, committed), b + 1))
+        else:
+            self.inherited = 0
+            self.bump = 0
+            self.hold = 0.0
 
     def fetched(self, offset: int) -> None:
         self.order.append(offset)
@@ -808,6 +838,14 @@ class _Part:
         if order:
             return order[0]
         return self.next_fetch
+
+    def checkpoint(self) -> tuple[int | None, str]:
+        """(offset to commit, metadata): call with the subscription lock held."""
+        point = self.commit_point()
+        if point is None:
+            point = self.committed
+        done = [o for o in self.done if point is None or o >= point]
+        return point, _Checkpoint(self.mark, self.bump, self.deadline, _ranges(done)).encode()
 
 
 class _Rec:
@@ -869,6 +907,7 @@ class KafkaSubscription(DriverSubscription):
         self.retry = driver.retry_topic(spec.name)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
+        self.commit_lock = threading.Lock()  # one commit built and sent at a time
         self.ready: deque[_Rec] = deque()
         self.held: list[tuple[float, int, _Rec]] = []
         self.leased: dict[int, _Rec] = {}
@@ -1021,15 +1060,92 @@ class KafkaSubscription(DriverSubscription):
                     and not coordinator.rejoin_needed):
                 coordinator.request_rejoin()
 
+    # -- checkpoints (offset commits) -------------------------------------------------------
     def _commit(self, sync: bool) -> None:
-        offsets = self._commit_offsets(None)
-        if not offsets:
-            return
+        """The group thread's commit: asynchronous between polls, synchronous at the end."""
         if sync:
-            self.group.commit(offsets)
-            self._committed(offsets, None)
+            with contextlib.suppress(MQError):
+                self._fence(self.d.opts["request_timeout_ms"] / 1000)
         else:
-            self.group.commit_async(offsets, callback=self._committed)
+            self._send_checkpoints(None, block=False)
+
+    def _checkpoints(self, force: Collection[TopicPartition]
+                     ) -> dict[TopicPartition, OffsetAndMetadata]:
+        """The checkpoints that changed since last sent, plus those of ``force``."""
+        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+        with self.lock:
+            for tp, part in self.parts.items():
+                point, meta = part.checkpoint()
+                if point is None:
+                    continue
+                if point != part.committed or meta != part.meta or tp in force:
+                    offsets[tp] = OffsetAndMetadata(point, meta, -1)
+                    part.committed, part.meta = point, meta
+        return offsets
+
+    def _send_checkpoints(self, force: Collection[TopicPartition] | None,
+                          block: bool = True) -> None:
+        """Commit changed checkpoints without waiting. Every commit is built and sent under
+        ``commit_lock``, so they reach the coordinator in the order their contents were
+        read (kafka-python sends scheduled requests in order on one connection): a later
+        commit never carries an older mark. ``block=False`` (group thread, rebalance
+        listener on kafka-python's IO thread): skip when another commit is under way, whose
+        successor picks the changes up."""
+        if not self.commit_lock.acquire(blocking=block):
+            return
+        try:
+            offsets = self._checkpoints(force or ())
+            if offsets:
+                self.group.commit_async(offsets, callback=self._committed)
+        except Exception as exc:  # the next commit retries
+            log.debug("kafka: commit of %s not sent: %s", self.spec.name, exc)
+        finally:
+            self.commit_lock.release()
+
+    def _stable(self) -> bool:
+        """Whether kafka-python considers the membership stable (it refuses commits
+        otherwise, and a synchronous commit would retry that until its timeout)."""
+        stable = getattr(getattr(self.group, "_coordinator", None), "generation_if_stable", None)
+        return stable is None or stable() is not None
+
+    def _fence(self, budget: float, force: Collection[TopicPartition] = ()) -> None:
+        """Commit the checkpoints (changed ones and those of ``force``) and wait for them.
+
+        An offset commit is validated against the member id and generation: when it
+        succeeds, this consumer was a current member of the group, so nobody else owns
+        these partitions, and whoever takes them over later reads these checkpoints (its
+        assignment comes after this commit). It is the proof required before records are
+        handed out or re-published: a consumer that was frozen past its session, or lost
+        the partitions in a rebalance it has not seen yet, gets ``CommitFailedError`` here.
+
+        Raises ``LeaseExpired`` when membership is lost or a rebalance is under way,
+        ``Timeout`` / ``ConnectionFailed`` when the coordinator does not answer in time.
+        """
+        deadline = time.monotonic() + budget
+        if not self.commit_lock.acquire(timeout=max(0.01, budget)):
+            raise Timeout(f"commit of {self.spec.name!r} still busy after {budget:.2f}s")
+        try:
+            offsets = self._checkpoints(force)
+            if not offsets:
+                return
+            if not self._stable():
+                self._committed(offsets, RuntimeError("rebalancing"))
+                raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
+            try:
+                self.group.commit(offsets, timeout_ms=int(
+                    max(0.05, deadline - time.monotonic()) * 1000))
+            except Exception as exc:
+                self._committed(offsets, exc)
+                if type(exc).__name__ in ("CommitFailedError", "RebalanceInProgressError",
+                                          "UnknownMemberIdError", "IllegalGenerationError",
+                                          "IllegalStateError"):
+                    raise LeaseExpired(
+                        f"consumer of {self.spec.name!r} is no longer a member of the "
+                        f"current generation: {type(exc).__name__}") from exc
+                raise _native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
+            self._committed(offsets, None)
+        finally:
+            self.commit_lock.release()
 
     def _committed(self, offsets: Mapping[TopicPartition, Any], error: Any) -> None:
         """A commit failed (e.g. during a rebalance): try again with the next one."""
@@ -1037,28 +1153,15 @@ class KafkaSubscription(DriverSubscription):
             with self.lock:
                 for tp, oam in offsets.items():
                     part = self.parts.get(tp)
-                    if part is not None and part.committed == oam.offset:
-                        part.committed = part.confirmed
+                    if (part is not None and part.committed == oam.offset
+                            and part.meta == oam.metadata):
+                        part.committed, part.meta = part.confirmed, part.sent_meta
             return
         with self.lock:
             for tp, oam in offsets.items():
-                part = self.parts.get(tp)
+                part = self.parts.get(tp) or self.suspended.get(tp, (None, None))[0]
                 if part is not None:
-                    part.confirmed = oam.offset
-
-    def _commit_offsets(
-        self, only: Collection[TopicPartition] | None
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
-        with self.lock:
-            for tp, part in self.parts.items():
-                if only is not None and tp not in only:
-                    continue
-                point = part.commit_point()
-                if point is not None and point != part.committed:
-                    offsets[tp] = OffsetAndMetadata(point, "", -1)
-                    part.committed = point
-        return offsets
+                    part.confirmed, part.sent_meta = oam.offset, oam.metadata
 
     # -- rebalance (group consumer) -------------------------------------------------------
     def revoked(self, revoked: Any) -> None:
@@ -1067,12 +1170,9 @@ class KafkaSubscription(DriverSubscription):
             gone = {tp for tp in self.parts
                     if tp in set(revoked)
                     or (tp.topic != self.retry and _slot(tp, self.slot_count) in slots)}
-        offsets = self._commit_offsets(gone)
-        if offsets:
-            try:  # non-blocking: sent before the JoinGroup that follows
-                self.group.commit_async(offsets)
-            except Exception as exc:  # the next owner re-delivers: at least once
-                log.info("kafka: commit on revoke of %s failed: %s", self.spec.name, exc)
+        # Non-blocking (we are on kafka-python's IO thread): sent before the JoinGroup
+        # that follows; if it fails, the next owner re-delivers (attempt + 1).
+        self._send_checkpoints(gone, block=False)
         with self.cv:
             for tp in gone:
                 part = self.parts.pop(tp, None)
@@ -1080,7 +1180,7 @@ class KafkaSubscription(DriverSubscription):
                     continue
                 stash = [r for r in self.ready if r.tp == tp]
                 stash += [r for _, _, r in self.held if r.tp == tp]
-                part.revoked_at = part.committed
+                part.revoked_at = (part.committed, part.meta)
                 self.suspended[tp] = (part, stash)
             self.ready = deque(r for r in self.ready if r.tp not in gone)
             self.held = [h for h in self.held if h[2].tp not in gone]
@@ -1102,18 +1202,18 @@ class KafkaSubscription(DriverSubscription):
         if assigned is None:
             return
         try:
-            committed = {tp: self.group.committed(tp) for tp in assigned}
-            marks = self.d.read_marks(self.spec.name)
+            committed = self.d.committed(self.spec.name, assigned) if assigned else {}
         except Exception:
             with self.lock:  # retried by the group thread unless a newer one came
                 if self.new_assignment is None:
                     self.new_assignment = assigned
             raise
-        fresh = self._adopt(assigned, committed, marks, self.group)
+        fresh = self._adopt(assigned, committed, self.group)
         for tp in fresh:
             self.group.seek_to_beginning(tp)  # the retry topic belongs to the group
-            if committed.get(tp) is not None:
-                self.group.seek(tp, committed[tp])
+            found = committed.get(tp)
+            if found is not None:
+                self.group.seek(tp, found.offset)
         if assigned:
             self.group.resume(*assigned)
         with self.cv:
@@ -1135,18 +1235,24 @@ class KafkaSubscription(DriverSubscription):
                     del self.leased[token]
 
     def _adopt(self, assigned: Collection[TopicPartition],
-               committed: Mapping[TopicPartition, int | None],
-               marks: Mapping[TopicPartition, int], consumer: Any) -> list[TopicPartition]:
+               committed: Mapping[TopicPartition, OffsetAndMetadata | None],
+               consumer: Any) -> list[TopicPartition]:
         """Take partitions over: keep our in-flight state where nobody committed since we
-        had them; return the partitions that need a start position."""
+        had them (the stored checkpoint is still the one we sent: another owner that handed
+        anything out would have committed its own first); return the partitions that need
+        a start position. A fresh partition starts from its checkpoint (``_Part``)."""
         fresh: list[TopicPartition] = []
         with self.cv:
             now = time.time()
             for tp in assigned:
-                offset = committed.get(tp)
+                found = committed.get(tp)
+                stored = (found.offset, found.metadata) if found is not None else (None, None)
                 old = self.suspended.pop(tp, None)
-                if old is not None and old[0].revoked_at == offset and old[0].next_fetch:
+                if old is not None and old[0].next_fetch and stored in (
+                        old[0].revoked_at, (old[0].confirmed, old[0].sent_meta)):
                     part, stash = old
+                    if stored != (part.committed, part.meta):
+                        part.committed, part.meta = stored
                     self.parts[tp] = part
                     consumer.seek(tp, part.next_fetch)
                     for rec in stash:
@@ -1155,22 +1261,13 @@ class KafkaSubscription(DriverSubscription):
                         else:
                             self.ready.append(rec)
                     continue
-                self.parts[tp] = _Part(offset, marks.get(tp, 0))
+                self.parts[tp] = _Part(found)
                 fresh.append(tp)
             # Leases on partitions that are not ours any more are stale now.
             for token, rec in list(self.leased.items()):
                 if rec.tp in fresh:
                     del self.leased[token]
             self.cv.notify_all()
-        # Before the first fetch of these partitions (the caller positions them next).
-        bumps = self.d.takeovers(self.spec.name, {
-            tp: committed.get(tp) for tp in fresh
-            if marks.get(tp, 0) > (committed.get(tp) or 0)})
-        with self.lock:
-            for tp, bump in bumps.items():
-                part = self.parts.get(tp)
-                if part is not None:
-                    part.bump = bump
         return fresh
 
     # -- data thread --------------------------------------------------------------------------
@@ -1270,11 +1367,11 @@ class KafkaSubscription(DriverSubscription):
         if new:
             try:
                 committed = self.d.committed(self.spec.name, new)
-                marks = self.d.read_marks(self.spec.name)
                 start = []
-                for tp in self._adopt(new, committed, marks, self.data):
-                    if committed.get(tp) is not None:
-                        self.data.seek(tp, committed[tp])
+                for tp in self._adopt(new, committed, self.data):
+                    found = committed.get(tp)
+                    if found is not None:
+                        self.data.seek(tp, found.offset)
                     else:
                         start.append(tp)
                 if start:
@@ -1357,7 +1454,15 @@ class KafkaSubscription(DriverSubscription):
             if released:
                 self.cv.notify_all()
             handoff = self._pick_handoff()
+            for rec in handoff:
+                part = self.parts.get(rec.tp)
+                if part is not None and rec.offset + 1 > part.mark:
+                    # Counted as handed out: if we die before the original is committed
+                    # done, its next owner gives it an attempt above the copy's.
+                    part.mark = rec.offset + 1
             buffered = len(self.ready) + len(self.held)
+        if expired or handoff:
+            expired, handoff = self._fence_tick(expired, handoff)
         for rec in expired:  # the lease ran out: redeliver with attempt + 1
             try:
                 self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
@@ -1373,6 +1478,8 @@ class KafkaSubscription(DriverSubscription):
                         rec.since = time.monotonic()
                         self.ready.append(rec)
                         self.cv.notify_all()
+        if expired or handoff:
+            self._send_checkpoints(None)  # the originals are done: a takeover skips them
         limit = self.d.opts["max_buffered"]
         if buffered > limit and not self.paused and self.data_assigned:
             self.data.pause(*self.data_assigned)
@@ -1380,6 +1487,35 @@ class KafkaSubscription(DriverSubscription):
         elif buffered <= limit // 2 and self.paused:
             self.data.resume(*self.data.paused())
             self.paused = False
+
+    def _fence_tick(self, expired: list[_Rec], handoff: list[_Rec]
+                    ) -> tuple[list[_Rec], list[_Rec]]:
+        """Before re-publishing expired leases or handing records off: ``_fence``. A
+        consumer woken from a freeze longer than its session still has its old leases and
+        buffers; its partitions' new owner redelivers those records from the checkpoint,
+        so a copy written here would repeat an attempt. On failure nothing is written: the
+        leases are kept (tried again shortly, or dropped when the partition turns out to
+        have moved) and the hand-offs go back to the ready queue."""
+        budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
+        try:
+            self._fence(budget, force={rec.tp for rec in (*expired, *handoff)})
+        except MQError as exc:
+            log.info("kafka: %d records of %s not re-published: %s",
+                     len(expired) + len(handoff), self.spec.name, redact(str(exc))[:300])
+            with self.cv:
+                retry_at = time.time() + 0.5
+                for rec in expired:
+                    if rec.tp in self.parts or rec.tp in self.suspended:
+                        rec.deadline = retry_at
+                        self.leased[next(self.tokens)] = rec
+                mono = time.monotonic()
+                for rec in reversed(handoff):
+                    if rec.tp in self.parts:
+                        rec.since = mono
+                        self.ready.appendleft(rec)
+                self.cv.notify_all()
+            return [], []
+        return expired, handoff
 
     def _pick_handoff(self) -> list[_Rec]:
         """Ready records nobody here asks for go to another consumer of the group.
@@ -1416,16 +1552,21 @@ class KafkaSubscription(DriverSubscription):
                 if part is None or tp in self.pending:
                     continue  # a pending partition is positioned, then fetched again
                 retry = tp.topic == self.retry
+                inherited = part.inherited
                 for r in records:
                     part.fetched(r.offset)
+                    if r.offset < inherited and r.offset in part.done:
+                        continue  # settled by an earlier owner (its checkpoint says so)
                     rec = self._decode(tp, r, retry)
                     if rec is None:
                         part.done.add(r.offset)
                         continue
-                    if r.offset < part.mark:
-                        # Handed to an application before by owners that died or lost the
-                        # partition unsettled: one more attempt per such takeover.
+                    if r.offset < inherited:
+                        # Handed to an application by owners that died, froze or lost the
+                        # partition before settling it: one attempt more than any of them
+                        # gave, and not before the last of their leases ends.
                         rec.n += part.bump
+                        rec.due = max(rec.due, min(part.hold, now + self.d.capabilities.max_lease))
                     if rec.due > now:
                         heapq.heappush(self.held, (rec.due, next(self.seq), rec))
                     else:
@@ -1483,65 +1624,93 @@ class KafkaSubscription(DriverSubscription):
         if self.error is not None:
             raise _native(self.error, f"consumer of {self.spec.name!r} failed", self.d.url)
 
-    def _commit_acked(self, timeout: float) -> None:
-        """Commit what was acked so far, and wait for it.
-
-        Called before new records are handed out: a consumer that dies after this receive
-        then never gets its earlier acks redelivered (which would also count attempts
-        against messages that were done). kafka-python 3.0 runs the commit on the group
-        consumer's IO thread; its blocking facade may be called from any thread.
-        """
-        offsets = self._commit_offsets(None)
-        if not offsets:
-            return
-        try:
-            # Within the receive's timeout: the portable layer's lease clock started at
-            # the receive call (a commit waiting for a coordinator after a broker
-            # restart made records arrive with their lease already over).
-            self.group.commit(offsets, timeout_ms=int(max(
-                0.05, min(timeout, self.d.opts["request_timeout_ms"] / 1000)) * 1000))
-        except Exception as exc:  # e.g. a rebalance: the group thread retries it
-            self._committed(offsets, exc)
-            log.debug("kafka: commit before receive on %s failed: %s", self.spec.name, exc)
-        else:
-            self._committed(offsets, None)
-
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Hand out ready records, after a fenced commit of their partitions' checkpoints.
+
+        The commit (``_fence``) stores the new delivery mark and lease deadline and the
+        acks so far, and succeeds only while this consumer is a current member of the
+        group: a consumer woken from a freeze longer than its session, or one that lost the
+        partitions in a rebalance it has not seen yet, hands out nothing from its buffers
+        (they go back, and are dropped when the revocation arrives). Bounded by a quarter
+        lease: the portable layer's lease clock started at the call.
+        """
         deadline = time.monotonic() + timeout
-        out: list[Delivery] = []
-        marks: dict[TopicPartition, int] = {}
-        if not self.closed:
-            self._commit_acked(timeout)
-        with self.cv:
-            self._check_open()
-            self.waiting += 1
+        while True:
+            picked: list[tuple[int, _Rec]] = []
+            with self.cv:
+                self._check_open()
+                self.waiting += 1
+                try:
+                    while not self.ready:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self.closed or self.error is not None:
+                            break
+                        self.cv.wait(left)
+                    lease_until = time.time() + self.spec.lease
+                    while self.ready and len(picked) < max_messages:
+                        rec = self.ready.popleft()
+                        part = self.parts.get(rec.tp)
+                        if part is None:
+                            continue
+                        token = next(self.tokens)
+                        rec.deadline = lease_until
+                        self.leased[token] = rec
+                        if rec.offset + 1 > part.mark:
+                            part.mark = rec.offset + 1
+                        if lease_until > part.deadline:
+                            part.deadline = lease_until
+                        picked.append((token, rec))
+                finally:
+                    self.waiting -= 1
+                    self.last_receive = time.monotonic()
+            if not picked:
+                return []
+            budget = min(max(self.spec.lease / 4, 0.25), self.d.opts["request_timeout_ms"] / 1000)
             try:
-                while not self.ready:
+                self._fence(budget, force={rec.tp for _, rec in picked})
+            except MQError as exc:
+                log.info("kafka: %d records of %s not handed out: %s", len(picked),
+                         self.spec.name, redact(str(exc))[:300])
+                with self.cv:
+                    back = []
+                    for token, rec in picked:
+                        self.leased.pop(token, None)
+                        if rec.tp in self.parts:
+                            back.append(rec)
+                        elif rec.tp in self.suspended:
+                            self.suspended[rec.tp][1].append(rec)
+                    self.ready.extendleft(reversed(back))
                     left = deadline - time.monotonic()
-                    if left <= 0 or self.closed or self.error is not None:
-                        break
-                    self.cv.wait(left)
-                now = time.time()
-                lease_until = now + self.spec.lease
-                while self.ready and len(out) < max_messages:
-                    rec = self.ready.popleft()
-                    part = self.parts.get(rec.tp)
-                    if part is None:
-                        continue
-                    token = next(self.tokens)
-                    rec.deadline = lease_until
-                    self.leased[token] = rec
-                    if rec.offset + 1 > part.mark:
-                        part.mark = rec.offset + 1
-                        marks[rec.tp] = part.mark
-                    out.append(Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0,
-                                        rec.n + 1, rec.published_at, token))
-            finally:
-                self.waiting -= 1
-                self.last_receive = time.monotonic()
-        if marks:  # retried only within a quarter lease: the records' lease is running
-            self.d.commit_marks(self.spec.name, marks, budget=self.spec.lease / 4)
-        return out
+                    if left > 0:
+                        self.cv.wait(min(0.1, left))
+                if time.monotonic() >= deadline:
+                    return []
+                continue
+            return [Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0, rec.n + 1,
+                             rec.published_at, token) for token, rec in picked]
+
+    def _fence_for(self, rec: _Rec) -> None:
+        """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter) or extends
+        its lease: wait out a rebalance within the lease; ``LeaseExpired`` when the
+        partition is not ours any more."""
+        end = time.monotonic() + min(max(0.5, rec.deadline - time.time()),
+                                     self.d.opts["request_timeout_ms"] / 1000)
+        while True:
+            with self.lock:
+                owned = rec.tp in self.parts
+                suspended = rec.tp in self.suspended
+            if not owned and not suspended:
+                raise LeaseExpired(f"message {rec.id}: its partition moved to another "
+                                   "consumer of the group")
+            left = end - time.monotonic()
+            if owned and self._stable():  # (kafka-python's lock: not under ours)
+                self._fence(max(0.05, left), force={rec.tp})
+                return
+            if left <= 0:
+                raise LeaseExpired(f"message {rec.id}: group {self.spec.name!r} is "
+                                   "rebalancing")
+            with self.cv:
+                self.cv.wait(min(0.05, left))
 
     def _settle(self, token: Any) -> _Rec | None:
         with self.lock:
@@ -1577,20 +1746,51 @@ class KafkaSubscription(DriverSubscription):
                 rec.deadline = deadline
                 self.leased[token if token is not None else next(self.tokens)] = rec
 
+    def _keep(self, rec: _Rec, token: Any) -> None:
+        """A settle that was refused before anything was written (``_fence_for`` failed):
+        the record stays leased under its receipt; when the lease runs out it is
+        re-published (if the partition is still ours) or left to the new owner."""
+        with self.cv:
+            if rec.tp in self.parts or rec.tp in self.suspended:
+                self.leased[token] = rec
+
     def nack(self, receipt: Any, delay: float) -> None:
         rec = self._settle(receipt)
-        if rec is not None:
-            try:
-                self._requeue(rec, rec.n + 1, delay)
-            except MQError:
-                self._relapse(rec, receipt, rec.deadline)
-                raise
+        if rec is None:
+            return
+        try:
+            # A consumer woken from a freeze (or that lost the partition) must not write a
+            # copy: the partition's new owner delivers the original with the same attempt.
+            self._fence_for(rec)
+        except MQError:
+            self._keep(rec, receipt)
+            raise
+        try:
+            self._requeue(rec, rec.n + 1, delay)
+        except MQError:
+            self._relapse(rec, receipt, rec.deadline)
+            raise
+        self._send_checkpoints(None)  # the original is done: a takeover skips it
 
     def extend(self, receipt: Any, seconds: float) -> None:
+        """Renew a lease. A longer deadline than the partition's checkpoint records is
+        committed (fenced) first: a new owner of the partition (after a freeze or a
+        rebalance) holds the record until then. On failure the lease is not renewed."""
+        until = time.time() + seconds
         with self.lock:
             rec = self.leased.get(receipt)
-            if rec is not None:
-                rec.deadline = time.time() + seconds
+            if rec is None:
+                return  # stale: the lease expired or the partition moved
+            part = self.parts.get(rec.tp)
+            if part is not None and part.deadline >= until:
+                rec.deadline = until
+                return
+            if part is not None:
+                part.deadline = until
+        self._fence_for(rec)
+        with self.lock:
+            if self.leased.get(receipt) is rec:
+                rec.deadline = until
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         rec = self._settle(receipt)
@@ -1609,11 +1809,17 @@ class KafkaSubscription(DriverSubscription):
             headers.append((H_KEY, rec.key.encode()))
         topic = self.d.dead_topic(self.spec.name)
         try:
+            self._fence_for(rec)  # as in nack: no copy once the partition is not ours
+        except MQError:
+            self._keep(rec, receipt)
+            raise
+        try:
             self.d.send_one(topic, rec.body, uuid.uuid4().hex.encode(), headers)
         except MQError:
             self._relapse(rec, receipt, rec.deadline)
             raise
         self._done(rec)
+        self._send_checkpoints(None)
 
     def _requeue(self, rec: _Rec, n: int, delay: float, avoid_self: bool = False,
                  hop: bool = False) -> None:
@@ -1656,6 +1862,11 @@ class KafkaSubscription(DriverSubscription):
         me = threading.current_thread()
         if self.data_thread is not me:
             self.data_thread.join(30)
+        with self.lock:
+            # Closing gives unsettled messages back: the next owner of our partitions need
+            # not wait for their leases (their attempt still counts, through the mark).
+            for part in self.parts.values():
+                part.deadline = 0.0
         # The group thread last: its final commit covers what the data thread settled.
         self.group_stopping = True
         if self.group_thread is not me:
