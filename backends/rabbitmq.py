@@ -425,13 +425,16 @@ class _Publisher:
 # lock), or, while it consumes holding no lease, now + _WATCH_LIVE (reported by the I/O
 # thread's tick). When that time + _WATCH_GRACE passes without a newer report (the tick
 # releases expired leases every _TICK), the watchdog shuts the socket down: the broker sees
-# the connection close and requeues what it held. The woken process reads the closed
-# socket before it hands out anything it had buffered (see ``_Sub._sync_locked``). The
-# watchdog exits when the application's process does (a pipe reaches end of file).
+# the connection close and requeues what it held. A woken process checks whether its
+# socket was cut before it hands out anything it had buffered or settles anything (see
+# ``_Sub._sync_locked``): pika may run a few callbacks before it reads the closed socket.
+# The watchdog exits when the application's process does (a pipe reaches end of file).
 
 _WATCH_GRACE = 0.5  # seconds past a reported deadline before the watchdog cuts the socket
 _WATCH_LIVE = 1.0  # a consumer holding no lease reports now + this (its buffer's release)
 _WATCH_STEP = 0.2  # later release times closer than this to the reported one wait a tick
+_WATCH_SLACK = 0.25  # how late the watchdog may act on a report (its scheduling), seconds
+_NO_SIGPIPE = getattr(socket, "MSG_NOSIGNAL", 0) | getattr(socket, "MSG_DONTWAIT", 0)
 #: what the driver declares as Capabilities.release_margin with the watchdog: the grace,
 #: plus the broker noticing the closed socket and requeueing (measured: under 0.2 s on a
 #: busy 2-core machine), plus headroom for a loaded host scheduling the watchdog late
@@ -489,6 +492,28 @@ while True:
             for fd in fds:
                 os.close(fd)
 """
+
+
+def _socket_cut(sock: Any) -> bool:
+    """Whether our side of ``sock`` can no longer send: the watchdog shut it down (or the
+    connection died). A zero-byte send on a duplicate descriptor: nothing goes out, and it
+    works the same under TLS."""
+    try:
+        fd = sock.fileno()
+        probe = socket.socket(fileno=os.dup(fd)) if fd >= 0 else None
+    except OSError:
+        return True
+    if probe is None:
+        return True
+    try:
+        probe.send(b"", _NO_SIGPIPE)
+        return False
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
 
 
 class _Watchdog:
@@ -786,9 +811,12 @@ class _Sub(DriverSubscription):
         self._dog: _Watchdog | None = None
         self._dog_key: str | None = None
         self._dog_sent = math.nan  # the last release time reported to the watchdog
+        self._sock: Any = None  # the watched socket
+        self._cut_sock: Any = None  # a socket found cut, until its connection is replaced
+        self._cut_gen = 0  # deliveries of channels up to this one are gone
+        self._risk = math.nan  # until when the watchdog may (have) cut our socket
         self._pub_ch: Any = None  # confirm channel for the copies, on our own connection
         self._confirms = _Confirms()
-        self._ticks = 0  # I/O thread ticks so far
         self._link.subs.add(self)
 
     # -- the watchdog (any thread; the ``_locked`` ones with self._lock held) --------------
@@ -811,6 +839,14 @@ class _Sub(DriverSubscription):
             due = now + _WATCH_LIVE
         return due
 
+    def _note_risk_locked(self, now: float) -> None:
+        """Remember it when the reported release time + grace is (nearly) reached: the
+        watchdog may cut the socket then, whatever we report next."""
+        if self._dog_key is not None and now >= self._dog_sent + _WATCH_GRACE - _WATCH_STEP:
+            until = self._dog_sent + _WATCH_GRACE + _WATCH_SLACK
+            if not until <= self._risk:  # (also when _risk is nan)
+                self._risk = until
+
     def _report_locked(self, now: float) -> None:
         dog, key = self._dog, self._dog_key
         if dog is None or key is None:
@@ -819,25 +855,30 @@ class _Sub(DriverSubscription):
         sent = self._dog_sent
         if due == sent or sent < due < sent + _WATCH_STEP:
             return  # a little later than reported: still after every deadline it guards
+        self._note_risk_locked(now)
         if dog.send(f"D {key} {due!r}"):
             self._dog_sent = due
 
     def _sync_locked(self) -> None:
-        """Before handing out or settling anything: if the watchdog may have cut this
-        connection (the reported release time + grace is about to pass or has passed, so
-        the I/O thread has not run for a while: this process was frozen), let the I/O
-        thread run two ticks first. The socket it reads then is closed if the watchdog cut
-        it, and the buffer and leases of that connection are dropped before we look."""
-        if self._dog_key is None or not (
-                time.monotonic() >= self._dog_sent + _WATCH_GRACE - 2 * _WATCH_STEP):
+        """Before handing out or settling anything: if the watchdog may have cut our socket
+        (this process was frozen past a reported release time + grace), check the socket;
+        if it was cut, drop what came on it now (pika may run other callbacks before it
+        reads the closed socket), so nothing the broker took back is handed out again."""
+        now = time.monotonic()
+        self._note_risk_locked(now)
+        if self._risk != self._risk:  # nan: no risk
             return
-        until = self._ticks + 2
-        limit = time.monotonic() + 2.0
-        while self._ticks < until and self._dog_key is not None and not self._closed:
-            left = limit - time.monotonic()
-            if left <= 0 or not self._link._thread.is_alive():
-                return
-            self._cond.wait(min(left, 0.1))
+        if self._sock is not None and _socket_cut(self._sock):
+            log.warning("rabbitmq consumer of group %r was frozen past its lease deadline: "
+                        "the watchdog handed its messages back to the broker", self.spec.name)
+            self._lost_why = "frozen past the lease deadline; the watchdog closed it"
+            self._cut_sock = self._sock
+            self._cut_gen = self._ch_gen
+            self._dog = self._dog_key = None
+            self._dog_sent = self._risk = math.nan
+            self._forget_locked()
+        elif now > self._risk:
+            self._risk = math.nan
 
     def _io_watch(self) -> None:
         """(I/O thread) give the watchdog this connection's socket (again after a restart)."""
@@ -850,14 +891,19 @@ class _Sub(DriverSubscription):
             return
         key = str(next(_Watchdog.keys))
         with self._lock:
+            if sock is self._cut_sock:
+                return
             due = self._due_locked(time.monotonic())
             if dog.send(f"W {key} {due!r}", sock.fileno()):
                 self._dog, self._dog_key, self._dog_sent = dog, key, due
+                self._sock, self._risk = sock, math.nan
 
     def _io_unwatch(self) -> None:
         with self._lock:
             dog, key = self._dog, self._dog_key
             self._dog = self._dog_key = None
+            self._sock = self._cut_sock = None
+            self._dog_sent = self._risk = math.nan
         if dog is not None and key is not None:
             dog.send(f"X {key}")
 
@@ -1002,6 +1048,8 @@ class _Sub(DriverSubscription):
             raw = _Raw(gen, method.delivery_tag, method.redelivered, method.routing_key,
                        props, body)
             with self._cond:
+                if gen <= self._cut_gen:
+                    return  # read after the watchdog cut the socket: the broker has it
                 heapq.heappush(self._buf, (-(props.priority or 0), next(self._seq), raw))
                 self._cond.notify()
 
@@ -1034,21 +1082,24 @@ class _Sub(DriverSubscription):
         self._io_forget()
 
     def _io_forget(self) -> None:
+        with self._cond:
+            self._forget_locked()
+
+    def _forget_locked(self) -> None:
         """The channel is gone: the broker redelivers everything it had given us, so the
         leases are lost (settling one raises ``LeaseExpired``)."""
-        with self._cond:
-            self._buf.clear()
-            for receipt in self._leases:
-                if not receipt.done:
-                    receipt.done = receipt.lost = True
-            for _deadline, _seq, receipt in self._extended:
-                if not receipt.done:
-                    receipt.done = receipt.lost = True
-            self._leases.clear()
-            self._extended.clear()
-            self._acks.clear()
-            self._report_locked(time.monotonic())
-            self._cond.notify_all()
+        self._buf.clear()
+        for receipt in self._leases:
+            if not receipt.done:
+                receipt.done = receipt.lost = True
+        for _deadline, _seq, receipt in self._extended:
+            if not receipt.done:
+                receipt.done = receipt.lost = True
+        self._leases.clear()
+        self._extended.clear()
+        self._acks.clear()
+        self._report_locked(time.monotonic())
+        self._cond.notify_all()
 
     def _set_error(self, err: MQError) -> None:
         with self._cond:
@@ -1139,8 +1190,6 @@ class _Sub(DriverSubscription):
             self._inflight += len(expired)
             self._report_locked(now)
             watch = self._dog is None or not self._dog.alive
-            self._ticks += 1
-            self._cond.notify_all()
         if watch and self._conn is not None and self._conn.is_open:
             self._io_watch()
         if expired:
@@ -1250,7 +1299,7 @@ class _Sub(DriverSubscription):
                     now = time.time()
                     while self._buf and len(out) < max_messages:
                         raw = heapq.heappop(self._buf)[2]
-                        if raw.gen != self._ch_gen:
+                        if raw.gen != self._ch_gen or raw.gen <= self._cut_gen:
                             continue  # from a channel that is gone: it comes back anyway
                         due = raw.due()
                         if due is not None and due > now:
