@@ -65,7 +65,6 @@ from mqabstract.errors import (
     Closed,
     ConnectionFailed,
     InvalidArgument,
-    LeaseExpired,
     MQError,
     NotFound,
     PublishError,
@@ -727,11 +726,10 @@ class _Raw:
 
 
 class _Receipt:
-    """A leased message: our handle to settle it; stale once ``done``. ``lost`` when the
-    channel it came on closed first: the broker delivers it again, so a settle raises
-    ``LeaseExpired``."""
+    """A leased message: our handle to settle it; stale once ``done`` (settled, expired, or
+    its channel closed and the broker delivers it again)."""
 
-    __slots__ = ("attempt", "deadline", "done", "extended", "lost", "raw")
+    __slots__ = ("attempt", "deadline", "done", "extended", "raw")
 
     def __init__(self, raw: _Raw, attempt: int, deadline: float) -> None:
         self.raw = raw
@@ -739,7 +737,6 @@ class _Receipt:
         self.deadline = deadline
         self.done = False
         self.extended = False
-        self.lost = False
 
 
 def _copy_props(props: Any, **headers: str | None) -> pika.BasicProperties:
@@ -908,9 +905,10 @@ class _Sub(DriverSubscription):
             dog.send(f"X {key}")
 
     def _release_done(self, count: int) -> None:
-        with self._lock:
+        with self._cond:
             self._inflight -= count
             self._report_locked(time.monotonic())
+            self._cond.notify_all()
 
     # -- I/O thread ------------------------------------------------------------------------
     def _io_start(self) -> None:
@@ -1087,14 +1085,12 @@ class _Sub(DriverSubscription):
 
     def _forget_locked(self) -> None:
         """The channel is gone: the broker redelivers everything it had given us, so the
-        leases are lost (settling one raises ``LeaseExpired``)."""
+        receipts are stale (settling one is a no-op, as after a lease expiry)."""
         self._buf.clear()
         for receipt in self._leases:
-            if not receipt.done:
-                receipt.done = receipt.lost = True
+            receipt.done = True
         for _deadline, _seq, receipt in self._extended:
-            if not receipt.done:
-                receipt.done = receipt.lost = True
+            receipt.done = True
         self._leases.clear()
         self._extended.clear()
         self._acks.clear()
@@ -1265,12 +1261,6 @@ class _Sub(DriverSubscription):
             raise self._error
         self._driver._check()
 
-    def _lost(self, receipt: _Receipt) -> LeaseExpired:
-        return LeaseExpired(
-            f"message {receipt.raw.props.message_id} (attempt {receipt.attempt}): its "
-            f"lease was lost with the consumer's channel ({self._lost_why or 'closed'}); "
-            "it will be delivered again with the next attempt")
-
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
         self._check()
         # The lease starts with this call (the portable layer's deadline is no later).
@@ -1296,6 +1286,15 @@ class _Sub(DriverSubscription):
                         raise self._error
                     if self._buf:
                         self._sync_locked()
+                        # Hand nothing out while a copy is in flight (the watchdog is
+                        # held off then): a holder frozen right after this receive must
+                        # be cut at its lease deadline. One round trip, rarely.
+                        settled = time.monotonic() + 1.0
+                        while self._inflight > 0 and not self._closed:
+                            left = settled - time.monotonic()
+                            if left <= 0:
+                                break
+                            self._cond.wait(left)
                     now = time.time()
                     while self._buf and len(out) < max_messages:
                         raw = heapq.heappop(self._buf)[2]
@@ -1348,8 +1347,6 @@ class _Sub(DriverSubscription):
             raise InvalidArgument("not a receipt of this backend")
         with self._lock:
             self._sync_locked()
-            if receipt.lost:
-                raise self._lost(receipt)
             if receipt.done:
                 return None
             receipt.done = True
@@ -1359,22 +1356,17 @@ class _Sub(DriverSubscription):
 
     def ack(self, receipts: Sequence[Any]) -> None:
         self._check()
-        lost = None
         with self._lock:
             self._sync_locked()
             first = not self._acks
             for receipt in receipts:
-                if isinstance(receipt, _Receipt) and receipt.lost:
-                    lost = receipt
-                elif isinstance(receipt, _Receipt) and not receipt.done:
+                if isinstance(receipt, _Receipt) and not receipt.done:
                     receipt.done = True
                     self._acks.append((receipt.raw.gen, receipt.raw.tag))
             schedule = first and bool(self._acks)
             self._report_locked(time.monotonic())
         if schedule:
             self._link.call(self._io_flush_acks)
-        if lost is not None:
-            raise self._lost(lost)
 
     def _settle_by_copy(self, receipt: _Receipt, item: _Item, returned_ok: bool) -> _Pending:
         """Publish ``item`` for a taken receipt; once it is confirmed (or returned, if
@@ -1425,8 +1417,6 @@ class _Sub(DriverSubscription):
             raise InvalidArgument("not a receipt of this backend")
         with self._lock:
             self._sync_locked()
-            if receipt.lost:
-                raise self._lost(receipt)
             if receipt.done:
                 return
             receipt.extended = True
