@@ -1,4 +1,5 @@
-"""RabbitMQ backend: interop with plain pika both ways, and a broker restart mid-run.
+"""RabbitMQ backend: interop with plain pika both ways, a broker restart mid-run, and
+consumers that are frozen (SIGSTOP), killed or just busy while they hold messages.
 
 The shared broker comes from ``tests/brokers.py:resolve_url("rabbitmq")``; the restart test
 runs a private node (``scripts/brokerctl.py:PrivateRabbit``) on a spare port that it may
@@ -7,8 +8,13 @@ stop and start. Names are unique per test and groups are deleted afterwards.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -203,3 +209,212 @@ def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> N
     sub.close()
     mq.delete_group(group)
     mq.close()
+
+
+# ----------------------------------------------------------------------------------------
+# frozen and killed consumers (the lease watchdog)
+
+HOLDER = r"""
+import os, sys, time, mqabstract
+url, group, pattern, lease, count = sys.argv[1:6]
+priority = sys.argv[6] == "1"
+def out(*w):
+    sys.stdout.write(" ".join(map(str, w)) + "\n"); sys.stdout.flush()
+with mqabstract.connect(url) as mq:
+    sub = mq.subscribe(group, pattern, lease=float(lease), max_attempts=50, priority=priority)
+    while True:
+        started = time.monotonic()
+        msgs = sub.receive(int(count), 1.0)
+        if msgs:
+            break
+    out("RECVAT", repr(started))
+    for m in msgs:
+        out("RECV", m.id, m.attempt)
+    from mqabstract.backends import rabbitmq
+    dog = rabbitmq._Watchdog._current
+    out("HELD", dog.proc.pid if dog is not None else 0)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit(0)
+    for m in msgs:
+        try:
+            m.ack()
+            out("ACKED", m.id)
+        except mqabstract.LeaseExpired:
+            out("EXPIRED", m.id)
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        for m in sub.receive(10, 0.5):
+            out("LATER", m.id, m.attempt)
+            m.ack()
+            if m.id.endswith("-after"):
+                end = 0
+    out("DONE")
+"""
+
+
+class _Holder:
+    """A consumer process that receives one batch, reports it and waits (to be frozen)."""
+
+    def __init__(self, url: str, group: str, pattern: str, lease: float, count: int,
+                 priority: bool = False) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, url, group, pattern, str(lease), str(count),
+             "1" if priority else "0"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[list[str]] = []
+        while True:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, f"holder died: {self.proc.stderr.read()}"  # type: ignore[union-attr]
+            self.lines.append(line.split())
+            if self.lines[-1][0] == "HELD":
+                break
+        self.started = next(float(x[1]) for x in self.lines if x[0] == "RECVAT")
+        self.held = {x[1]: int(x[2]) for x in self.lines if x[0] == "RECV"}
+        self.watchdog = int(self.lines[-1][1])
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def finish(self, go: bool = True) -> list[list[str]]:
+        out, err = self.proc.communicate("go\n" if go else "stop\n", timeout=60)
+        assert self.proc.returncode == 0, err
+        return [line.split() for line in out.splitlines()]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process dies once resumed
+            self.proc.wait()
+
+
+def _take_back(sub: mqabstract.Subscription, ids: set[str], limit: float
+               ) -> dict[str, tuple[float, int]]:
+    """Receive (and ack) until every id in ``ids`` arrived: {id: (when, attempt)}."""
+    arrived: dict[str, tuple[float, int]] = {}
+    end = time.monotonic() + limit
+    while not ids <= set(arrived) and time.monotonic() < end:
+        for msg in sub.receive(50, 0.2):
+            arrived.setdefault(msg.id, (time.monotonic(), msg.attempt))
+            msg.ack()
+    return arrived
+
+
+@pytest.mark.parametrize("priority", [False, True], ids=["quorum", "classic"])
+def test_frozen_consumer_releases_after_its_lease(mq: mqabstract.Broker, url: str,
+                                                  token: str, priority: bool) -> None:
+    """SIGSTOP a consumer holding messages: another consumer gets them after the lease
+    deadline, within the declared margin, with attempt 2; the woken one's acks raise
+    LeaseExpired and it goes on consuming on a new connection."""
+    from mqabstract.backends.rabbitmq import RELEASE_MARGIN
+
+    assert mq.capabilities.release_margin == RELEASE_MARGIN
+    lease = 1.0
+    group, pattern, topic = f"freeze-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease, priority=priority)
+    holder = None
+    try:
+        ids = set(mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                                    for i in range(20)]))
+        holder = _Holder(url, group, pattern, lease, 5, priority)
+        holder.signal(signal.SIGSTOP)
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            arrived = _take_back(sub, ids, 30)
+        assert set(holder.held) <= set(arrived), "held messages did not come back"
+        first = min(arrived[m][0] for m in holder.held) - holder.started
+        took = max(arrived[m][0] for m in holder.held) - holder.started
+        assert lease <= first and took <= lease + RELEASE_MARGIN, (first, took)
+        assert {arrived[m][1] for m in holder.held} == {2}
+        assert ids == set(arrived)
+        holder.signal(signal.SIGCONT)
+        time.sleep(0.3)
+        mq.publish(topic, b"y", id=f"{token}-after")
+        lines = holder.finish()
+        assert [x[0] for x in lines if x[0] in ("ACKED", "EXPIRED")] == ["EXPIRED"] * 5
+        # Nothing stale from the cut connection, only the new message, as a first delivery.
+        assert [x[1:] for x in lines if x[0] == "LATER"] == [[f"{token}-after", "1"]]
+    finally:
+        if holder is not None:
+            holder.kill()
+        mq.delete_group(group)
+
+
+def test_classic_attempts_count_on_after_two_freezes(mq: mqabstract.Broker, url: str,
+                                                     token: str) -> None:
+    """A classic queue only flags a redelivery; the driver writes the attempt down before
+    handing it out, so a second frozen holder's message comes back with attempt 3."""
+    lease = 0.5
+    group, pattern, topic = f"freeze2-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease, priority=True)
+    holders: list[_Holder] = []
+    try:
+        mid = mq.publish(topic, b"x", id=f"{token}-m")
+        for attempt in (1, 2):
+            holder = _Holder(url, group, pattern, lease, 1, priority=True)
+            holders.append(holder)
+            assert holder.held == {mid: attempt}
+            holder.signal(signal.SIGSTOP)
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            arrived = _take_back(sub, {mid}, 20)
+        assert arrived[mid][1] == 3
+    finally:
+        for holder in holders:
+            holder.kill()
+        mq.delete_group(group)
+
+
+def test_killed_consumer_releases_at_once_and_its_watchdog_exits(
+        mq: mqabstract.Broker, url: str, token: str) -> None:
+    """SIGKILL: the watchdog's copy of the socket must not keep the connection open."""
+    lease = 30.0
+    group, pattern, topic = f"kill-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease)
+    holder = None
+    try:
+        ids = set(mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                                    for i in range(5)]))
+        holder = _Holder(url, group, pattern, lease, 5)
+        assert holder.watchdog > 0
+        holder.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            arrived = _take_back(sub, ids, 20)
+        assert set(arrived) == ids
+        assert max(t for t, _ in arrived.values()) - killed < 5.0
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            try:
+                os.kill(holder.watchdog, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the watchdog outlived its process")
+    finally:
+        if holder is not None:
+            holder.kill()
+        mq.delete_group(group)
+
+
+def test_busy_handler_keeps_its_lease(mq: mqabstract.Broker, token: str) -> None:
+    """A CPU-bound handler (pure Python, so the GIL switches) inside its lease is not taken
+    for a frozen one: nobody else gets its message and its ack takes effect."""
+    lease = 4.0
+    group, pattern, topic = f"busy-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease)
+    try:
+        mid = mq.publish(topic, b"x")
+        with mq.subscribe(group, pattern, lease=lease) as sub, \
+                mq.subscribe(group, pattern, lease=lease) as other:
+            [msg] = _drain(sub, 1)
+            end = time.monotonic() + 3.0
+            n = 0
+            while time.monotonic() < end:  # busy: the I/O thread only gets GIL switches
+                n += sum(i * i for i in range(1000))
+            assert other.receive(1, 0.0) == []
+            msg.ack()
+            assert other.receive(1, lease + 2.0) == [], "the acked message came back"
+        assert mq.stats(group).ready == 0
+        assert mid == msg.id
+    finally:
+        mq.delete_group(group)
