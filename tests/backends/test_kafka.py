@@ -17,7 +17,12 @@ kafka = pytest.importorskip("kafka")
 
 import mqabstract  # noqa: E402
 from mqabstract import wire  # noqa: E402
-from mqabstract.backends.kafka import kafka_topic_name, topic_regex  # noqa: E402
+from mqabstract.backends.kafka import (  # noqa: E402
+    _Checkpoint,
+    _Part,
+    kafka_topic_name,
+    topic_regex,
+)
 from mqabstract.names import topic_matches  # noqa: E402
 from tests.brokers import resolve_url  # noqa: E402
 
@@ -113,19 +118,64 @@ def test_long_topic_names_are_hashed_within_kafka_limit() -> None:
     assert len(name) <= 249 and name != kafka_topic_name(topic + "x")
 
 
+def test_checkpoint_round_trip() -> None:
+    """The partition checkpoint travels as commit metadata; anything else reads as none."""
+    ckpt = _Checkpoint(120, 2, 1700000000.5, ((100, 104), (110, 110)))
+    assert _Checkpoint.decode(ckpt.encode()) == ckpt
+    for foreign in (None, "", "written by a plain client", "mq1 x 0 0 "):
+        assert _Checkpoint.decode(foreign) == _Checkpoint()
+    many = _Checkpoint(10**9, 0, 0.0, tuple((i * 3, i * 3 + 1) for i in range(5000)))
+    text = many.encode()
+    assert len(text) < 4096  # Apache Kafka's default offset.metadata.max.bytes
+    kept = _Checkpoint.decode(text).done
+    assert kept and kept == many.done[: len(kept)]  # a prefix: the rest is redelivered
+
+
+def _part(committed: int, ckpt: _Checkpoint) -> _Part:
+    return _Part(kafka.structs.OffsetAndMetadata(committed, ckpt.encode(), -1))
+
+
+def test_takeover_gives_one_attempt_more_than_any_earlier_owner() -> None:
+    """Owner 1 handed out records up to offset 49 and died with 40 committed; owner 2
+    adds 1 to their attempts and holds them until owner 1's last lease deadline. Owner 2
+    commits a prefix (44) and dies too: owner 3 adds 2 (the count used to restart when the
+    committed offset moved, giving attempts [1, 2, 2, 3])."""
+    second = _part(40, _Checkpoint(50, 0, 1700000005.0, ((45, 46),)))
+    assert (second.inherited, second.bump, second.hold) == (50, 1, 1700000005.0)
+    assert {45, 46} <= second.done  # settled by owner 1: never delivered again
+    assert _part(44, _Checkpoint(50, 1, 1700000005.0)).bump == 2
+    settled = _part(50, _Checkpoint(50, 2, 1700000005.0))  # all handed out was committed
+    assert (settled.inherited, settled.bump, settled.hold) == (0, 0, 0.0)
+    fresh = _Part(None)
+    assert (fresh.committed, fresh.mark, fresh.bump) == (None, 0, 0)
+
+
+def test_checkpoint_of_a_partition() -> None:
+    part = _part(10, _Checkpoint(12, 0, 1700000005.0))
+    for offset in range(10, 16):
+        part.fetched(offset)
+    part.done.update({10, 11, 13})
+    part.mark = 14
+    point, meta = part.checkpoint()
+    assert point == 12  # the contiguous settled prefix
+    assert _Checkpoint.decode(meta) == _Checkpoint(14, 1, 1700000005.0, ((13, 13),))
+
+
 _VICTIM = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     import mqabstract
-    url, group, pattern = sys.argv[1:4]
+    url, group, pattern, LEASE = *sys.argv[1:4], float(sys.argv[4])
     broker = mqabstract.connect(url)
-    sub = broker.subscribe(group, pattern, lease=60.0)
+    sub = broker.subscribe(group, pattern, lease=LEASE)
     print("READY", flush=True)
     got = []
     for _ in range(600):
+        started = time.monotonic()
         got += sub.receive(50, 0.2)
-        if len(got) >= 10:
+        if got:
             break
+    print("RECVAT", repr(started), flush=True)
     for msg in got:
         print("GOT", msg.id, flush=True)
     for msg in got[: len(got) // 2]:
@@ -136,13 +186,18 @@ _VICTIM = textwrap.dedent(
 )
 
 
+VICTIM_LEASE = 5.0
+
+
 def test_consumer_killed_mid_batch_loses_nothing(url, mq, names) -> None:
+    """The victim's unsettled messages come back after its lease (the survivors cannot
+    tell a dead holder from a frozen one), within the declared margin, with attempt 2."""
     group, root = names
     pattern = f"{root}.#"
-    mq.declare(group, pattern, lease=60.0)
+    mq.declare(group, pattern, lease=VICTIM_LEASE)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     victim = subprocess.Popen(
-        [sys.executable, "-c", _VICTIM, url, group, pattern],
+        [sys.executable, "-c", _VICTIM, url, group, pattern, str(VICTIM_LEASE)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     lines: list[str] = []
@@ -160,16 +215,19 @@ def test_consumer_killed_mid_batch_loses_nothing(url, mq, names) -> None:
     assert ready.wait(60), victim.stderr.read() if victim.stderr else ""
     brokers = [mqabstract.connect(url) for _ in range(2)]
     try:
-        survivors = [b.subscribe(group, pattern, lease=60.0) for b in brokers]
+        survivors = [b.subscribe(group, pattern, lease=VICTIM_LEASE) for b in brokers]
         ids = set(mq.publish_batch(
             [{"topic": f"{root}.k", "body": f"{i}", "key": f"k{i}"} for i in range(300)]))
         acked: set[str] = set()
+        first: dict[str, tuple[float, int]] = {}  # id -> (arrival, attempt) at a survivor
         lock = threading.Lock()
         stop = threading.Event()
 
         def work(sub: mqabstract.Subscription) -> None:
             while not stop.is_set():
                 for msg in sub.receive(50, 0.5):
+                    with lock:
+                        first.setdefault(msg.id, (time.monotonic(), msg.attempt))
                     msg.ack()
                     with lock:
                         acked.add(msg.id)
@@ -193,6 +251,11 @@ def test_consumer_killed_mid_batch_loses_nothing(url, mq, names) -> None:
             t.join(10)
         assert not ids - acked - victim_acked, f"lost {len(ids - acked - victim_acked)}"
         assert not (got - victim_acked) - acked, "the victim's unsettled messages came back"
+        started = next(float(ln.split()[1]) for ln in lines if ln.startswith("RECVAT "))
+        back = {m: (round(first[m][0] - started, 2), first[m][1]) for m in got - victim_acked}
+        margin = mq.capabilities.release_margin
+        assert all(VICTIM_LEASE <= t <= VICTIM_LEASE + margin for t, _ in back.values()), back
+        assert all(attempt >= 2 for _, attempt in back.values()), back
         for sub in survivors:
             sub.close()
     finally:
