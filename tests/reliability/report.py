@@ -66,6 +66,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def freeze_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the SIGSTOP scenario: when a frozen holder's messages came back."""
+    lines = ["| backend | lease (s) | came back after (s) | declared margin (s) | runs |",
+             "|---|---|---|---|---|"]
+    took: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if "took" in row:
+            took[row["backend"]].append(row)
+    for backend in sorted(took, key=lambda b: ORDER.index(b) if b in ORDER else 99):
+        runs = took[backend]
+        worst = max(r["took"] for r in runs)
+        lines.append(f"| {backend} | {runs[0]['lease']} | {worst} (worst) | "
+                     f"{runs[0]['margin']} | {len(runs)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -73,6 +89,9 @@ def main(argv: list[str]) -> int:
     with open(argv[0], encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     print(table(rows))
+    if any("took" in row for row in rows):
+        print()
+        print(freeze_table(rows))
     return 0
 
 

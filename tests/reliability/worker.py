@@ -7,6 +7,12 @@
         PHASE (``recv``: before acking, ``acking``: just before the ack call, ``acked``:
         right after it). A message with header ``poison=crash`` kills the process on
         receipt. Exits (``DONE``) after IDLE seconds without messages.
+        An ack after the lease deadline (the process was frozen) prints ``EXPIRED id``.
+    worker.py hold URL GROUP PATTERN LEASE COUNT
+        receive up to COUNT messages in one call, print ``RECVAT t`` (time.monotonic()
+        before that call: the lease deadline is at most t + LEASE), the ``RECV`` lines and
+        ``HELD``; then wait for a line on stdin (the parent freezes this process meanwhile)
+        and try to ack each message, printing ``ACKED id`` or ``EXPIRED id``.
     worker.py publish URL TOPIC COUNT PREFIX SEED
         publish COUNT messages with ids PREFIX-n, mixing single publishes and batches;
         ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
@@ -64,12 +70,41 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
             out("ACKING", msg.id)
             if phase == "acking" and seen == kill_at:
                 die()
-            msg.ack()
+            try:
+                msg.ack()
+            except mqabstract.LeaseExpired:  # frozen past the deadline: it comes back
+                out("EXPIRED", msg.id)
+                continue
             out("ACKED", msg.id)
             if phase == "acked" and seen == kill_at:
                 die()
     out("DONE")
     mq.close()
+
+
+def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
+    with mqabstract.connect(url) as mq:
+        sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
+        out("READY")
+        while True:
+            started = time.monotonic()
+            msgs = sub.receive(max_messages=count, wait=1.0)
+            if msgs:
+                break
+        out("RECVAT", repr(started))
+        for msg in msgs:
+            out("RECV", msg.id, msg.attempt, digest(msg.body))
+        out("HELD")
+        sys.stdin.readline()
+        for msg in msgs:
+            try:
+                msg.ack()
+            except mqabstract.LeaseExpired:
+                out("EXPIRED", msg.id)
+            else:
+                out("ACKED", msg.id)
+        out("DONE")
+        sub.close()
 
 
 def publish(url: str, topic: str, count: int, prefix: str, seed: int) -> None:
@@ -97,6 +132,8 @@ if __name__ == "__main__":
     if mode == "consume":
         consume(args[0], args[1], args[2], float(args[3]), int(args[4]), float(args[5]),
                 args[6], int(args[7]), int(args[8]) if len(args) > 8 else 5)
+    elif mode == "hold":
+        hold(args[0], args[1], args[2], float(args[3]), int(args[4]))
     elif mode == "publish":
         publish(args[0], args[1], int(args[2]), args[3], int(args[4]))
     else:
