@@ -47,6 +47,7 @@ import botocore.exceptions
 from mqabstract import wire as wire_schema
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.emulation import Pattern, fit_name, next_hop
 from mqabstract.errors import (
     ConnectionFailed,
     InvalidArgument,
@@ -119,10 +120,6 @@ _MISSING_QUEUE = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"
 
 def _code(exc: botocore.exceptions.ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _digest(text: str, n: int = 10) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
 # -- wire format -----------------------------------------------------------------------------
@@ -249,51 +246,21 @@ def _sns_entry(wire: _Wire, index: int, env: Envelope) -> dict[str, Any]:
 def _queue_base(prefix: str, group: str) -> str:
     """SQS-safe, injective base name for a group (suffixes ``-dlq``/``.fifo`` added later)."""
     room = QUEUE_NAME_MAX - len(prefix) - len(".fifo")
-    if _SQS_NAME.fullmatch(group) and len(group) <= room and not group.endswith("-dlq"):
-        return prefix + group
-    cleaned = re.sub(r"[^A-Za-z0-9_-]", "_", group)[: room - 11]
-    return f"{prefix}{cleaned}-{_digest(group)}"
+    return prefix + fit_name(group, room, safe=_SQS_NAME, reserved_suffixes=("-dlq",))
 
 
 def filter_policy(pattern: str) -> dict[str, Any] | None:
-    """An SNS filter policy admitting every topic that matches ``pattern`` (a superset).
-
-    Exact topics are exact; a literal head becomes a prefix, a literal tail a suffix. None when
-    the pattern starts and ends with wildcards: then every message is admitted and the
-    driver's own match decides.
-    """
-    words = pattern.split(".")
-    if not any(w in ("*", "#") for w in words):
-        return {ATTR_TOPIC: [pattern]}
-    head: list[str] = []
-    for w in words:
-        if w in ("*", "#"):
-            break
-        head.append(w)
-    tail: list[str] = []
-    for w in reversed(words):
-        if w in ("*", "#"):
-            break
-        tail.insert(0, w)
-    if head:
-        lit = ".".join(head)
-        return {ATTR_TOPIC: [lit, {"prefix": lit + "."}]}
-    if tail:
-        lit = ".".join(tail)
-        return {ATTR_TOPIC: [lit, {"suffix": "." + lit}]}
-    return None
-
-
-def _filter_is_exact(pattern: str) -> bool:
-    """True when the filter policy alone decides: no client-side check needed."""
-    words = pattern.split(".")
-    wild = [i for i, w in enumerate(words) if w in ("*", "#")]
-    if not wild:
-        return True
-    # head.# : the policy [head, prefix head.] is exactly the pattern; likewise #.tail
-    if wild == [len(words) - 1] and words[-1] == "#":
-        return True
-    return bool(wild == [0] and words[0] == "#")
+    """An SNS filter policy admitting every topic that matches ``pattern`` (a superset);
+    None when every message must be admitted (the driver's own match decides)."""
+    f = Pattern(pattern).native_filter()
+    if f.exact is None:
+        return None
+    rules: list[Any] = [f.exact]
+    if f.prefix is not None:
+        rules.append({"prefix": f.prefix})
+    if f.suffix is not None:
+        rules.append({"suffix": f.suffix})
+    return {ATTR_TOPIC: rules}
 
 
 @dataclass
@@ -627,7 +594,7 @@ class SQSDriver(Driver):
         self._call("allow SNS to deliver", self._sqs.set_queue_attributes, QueueUrl=queue_url,
                    Attributes={"Policy": self._queue_policy(arn)})
         group = _Group(spec.name, spec.pattern, queue_url, arn, dlq_url, spec.ordered,
-                       exact=_filter_is_exact(spec.pattern))
+                       exact=Pattern(spec.pattern).native_filter().complete)
         group.subscription_arn = self._subscribe(group)
         with self._lock:
             self._groups[spec.name] = group
@@ -832,7 +799,7 @@ class SQSDriver(Driver):
             self._change_visibility(receipt, seconds)
             return
         wire = receipt.wire
-        self._send(group.queue_url, wire, min(MAX_DELAY_SECONDS, math.ceil(remaining)), False)
+        self._send(group.queue_url, wire, next_hop(remaining, MAX_DELAY_SECONDS), False)
         self._delete_handles(group.queue_url, [receipt.handle])
 
     def _send(self, queue_url: str, wire: _Wire, delay: int, fifo: bool) -> None:
