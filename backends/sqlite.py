@@ -247,7 +247,9 @@ class SQLiteDriver(Driver):
         self._routes: dict[str, tuple[int, ...]] = {}
         self._conn = self._connect()
         self.clock.on_advance(self._shared.wake)  # FakeClock.advance wakes every receiver
-        limit = self._conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+        # Connection.getlimit is Python 3.11+; 3.10 gets SQLite's compiled-in default.
+        getlimit = getattr(self._conn, "getlimit", None)
+        limit = getlimit(getattr(sqlite3, "SQLITE_LIMIT_LENGTH", 0)) if getlimit else 10**9
         self._caps = replace(self.CAPABILITIES,
                              max_body_bytes=min(self.CAPABILITIES.max_body_bytes, limit))
 
@@ -577,8 +579,8 @@ class SQLiteSubscription(DriverSubscription):
 
         def txn(conn: sqlite3.Connection) -> list[Any]:
             conn.execute(_PROMOTE, (gid, now))
-            rows = conn.execute(self._claim, (now + self._lease, token, gid, max_messages))
-            rows = rows.fetchall()
+            cur = conn.execute(self._claim, (now + self._lease, token, gid, max_messages))
+            rows = cur.fetchall()
             if not rows:
                 self._next_due = conn.execute(_NEXT_DUE, (gid,)).fetchone()[0]
             return rows
@@ -608,7 +610,7 @@ class SQLiteSubscription(DriverSubscription):
         if self._next_due is not None and d.now() >= self._next_due:
             return True
         version = d._read(lambda c: c.execute("PRAGMA data_version").fetchone()[0], "receive")
-        return version != self._seen_version
+        return bool(version != self._seen_version)
 
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
         self._check_open()

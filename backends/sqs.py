@@ -966,7 +966,8 @@ class SQSDriver(Driver):
                                                                          list[Any]]:
         g = self._lookup(group)
         messages = self._scan(g.dlq_url)
-        chosen, rest = [], []
+        chosen: list[Any] = []
+        rest: list[Any] = []
         for m in messages:
             mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
             (chosen if ids is None or mid in ids else rest).append(m)
