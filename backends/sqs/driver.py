@@ -1,35 +1,8 @@
-"""AWS SQS driver (boto3): one queue per group, fanned out by one SNS FIFO topic.
-
-Mapping (details and reasons in ``docs/backends/sqs.md``):
-
-* Every publish goes to one SNS FIFO topic per namespace (``<prefix>bus.fifo``). Each group is
-  an SQS queue subscribed to it with raw message delivery and a filter policy on the
-  ``mq-topic`` message attribute; groups declared ``ordered=True`` get a FIFO queue, others a
-  standard queue (SNS FIFO topics deliver to both). ``MessageGroupId`` is the key (the message
-  id when there is none) and the deduplication id is derived from topic + message id.
-* Filter policies express exact topics and literal prefixes/suffixes; the rest of a pattern
-  (``*``, inner ``#``) is finished here: a message that does not match is deleted from that
-  group's queue, never delivered.
-* Leases are SQS visibility timeouts; ``extend`` and ``nack(delay)`` use
-  ChangeMessageVisibility. Attempts come from ``ApproximateReceiveCount`` plus a base carried
-  in our metadata, corrected for delay hops.
-* SNS carries no per-message delay, so delays are deferral hops at the queue: a message that
-  is not yet due is re-sent with ``DelaySeconds`` (≤ 900) and the early copy deleted (standard
-  queues: the receive count starts afresh), or hidden with ChangeMessageVisibility (FIFO
-  queues, which have no per-message delay; the hops are subtracted from the attempt).
-* Dead letters: the portable layer decides, this driver copies the message with reason and
-  attempts into a standard ``<queue>-dlq`` queue and deletes the original. No RedrivePolicy:
-  it would lose the reason, count delay hops as failures, and force FIFO dead-letter queues
-  that cannot be listed while one message of a message group is in flight.
-* Metadata is packed into one String attribute ``mq`` (JSON); headers travel as native String
-  attributes when they fit in the remaining 8 slots, else inside ``mq``.
-"""
+"""The SQS driver: queues, SNS fan-out, receive/settle, dead letters (see the package doc)."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import json
 import math
 import re
@@ -37,17 +10,15 @@ import threading
 import time
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import boto3
 import botocore.config
 import botocore.exceptions
 
-from mqabstract import wire as wire_schema
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
-from mqabstract.emulation import Pattern, fit_name, next_hop
+from mqabstract.emulation import Pattern, next_hop
 from mqabstract.errors import (
     ConnectionFailed,
     InvalidArgument,
@@ -62,45 +33,38 @@ from mqabstract.names import pattern_regex
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 
-__all__ = ["SQSDriver"]
-
-# -- SQS / SNS limits (AWS documentation; moto enforces only some of them) ---------------------
-SNS_MAX_MESSAGE = 262_144  #: body + attributes of one SNS publish, and of one PublishBatch
-SQS_MAX_MESSAGE = 1_048_576
-MAX_ATTRIBUTES = 10  #: message attributes per SQS message
-BATCH = 10  #: entries per *Batch call
-MAX_DELAY_SECONDS = 900  #: SendMessage DelaySeconds
-MAX_VISIBILITY = 43_200  #: 12 h, counted from the receive
-MAX_WAIT = 20  #: ReceiveMessage WaitTimeSeconds
-RETENTION = 1_209_600  #: 14 days, the SQS maximum
-QUEUE_NAME_MAX = 80
-
-ATTR_TOPIC = wire_schema.TOPIC
-ATTR_META = "mq"  # the packed wire schema: one JSON object, keys from wire.PACKED
-# Packed keys of the wire schema (mqabstract/wire.py); the others are this packing's own:
-# "v" version, "e" body encoding, "h" headers, "p" priority.
-M_ID, M_ATTEMPT, M_PUBLISHED, M_DUE, M_REASON, M_DEAD_AT, M_KEY = (
-    wire_schema.PACKED[name] for name in (
-        wire_schema.ID, wire_schema.ATTEMPT, wire_schema.PUBLISHED_AT, wire_schema.DELIVER_AT,
-        wire_schema.REASON, wire_schema.DEAD_AT, wire_schema.KEY,
-    )
+from .subscription import SQSSubscription, _Group, _Receipt
+from .wire import (
+    _OURS,
+    ATTR_TOPIC,
+    BATCH,
+    M_ATTEMPT,
+    M_DEAD_AT,
+    M_DUE,
+    M_ID,
+    M_KEY,
+    M_PUBLISHED,
+    M_REASON,
+    MAX_BODY,
+    MAX_DELAY,
+    MAX_DELAY_SECONDS,
+    MAX_HEADER_BYTES,
+    MAX_VISIBILITY,
+    MAX_WAIT,
+    RETENTION,
+    SNS_MAX_MESSAGE,
+    _decode_body,
+    _dedup_id,
+    _from_sqs,
+    _queue_base,
+    _size_chunks,
+    _sns_entry,
+    _to_wire,
+    _Wire,
+    filter_policy,
 )
-_OURS = (ATTR_TOPIC, ATTR_META)
-NATIVE_HEADER_SLOTS = MAX_ATTRIBUTES - len(_OURS)
-#: Room kept for attributes in the SNS budget: topic, packed metadata and headers (JSON
-#: escaping may double header bytes), so that the largest base64 body still fits.
-MAX_HEADER_BYTES = 8192
-_ATTR_RESERVE = 20 * 1024
-#: Largest body that fits SNS in the worst case (binary bodies travel base64-encoded).
-MAX_BODY = (SNS_MAX_MESSAGE - _ATTR_RESERVE) // 4 * 3
-#: Longest delay: queued messages expire after 14 days; FIFO delay hops keep the original.
-MAX_DELAY = 13 * 86400.0
 
-_SQS_NAME = re.compile(r"[A-Za-z0-9_-]+")
-# Characters SQS and SNS carry unchanged in a message body (XML 1.0 minus CR, which an XML
-# round trip may normalise); anything else travels base64-encoded.
-_UNSAFE_TEXT = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-_GROUP_ID = re.compile(r"[!-~]{1,128}")
+__all__ = ["SQSDriver"]
 
 _CONNECT_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
@@ -120,209 +84,6 @@ _MISSING_QUEUE = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"
 
 def _code(exc: botocore.exceptions.ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-# -- wire format -----------------------------------------------------------------------------
-def _encode_body(body: bytes) -> tuple[str, str | None]:
-    """(text for SNS/SQS, encoding flag for the metadata)."""
-    if not body:
-        return "-", "z"
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is not None and not _UNSAFE_TEXT.search(text):
-        return text, None
-    return base64.b64encode(body).decode("ascii"), "b"
-
-
-def _decode_body(text: str, flag: str | None) -> bytes:
-    if flag == "z":
-        return b""
-    if flag == "b":
-        return base64.b64decode(text)
-    return text.encode("utf-8")
-
-
-def _group_id(env_key: str | None, message_id: str) -> str:
-    if env_key is None:
-        return message_id
-    if _GROUP_ID.fullmatch(env_key):
-        return env_key
-    return "k:" + hashlib.sha256(env_key.encode()).hexdigest()
-
-
-def _dedup_id(topic: str, message_id: str) -> str:
-    return hashlib.sha256(f"{topic}\n{message_id}".encode()).hexdigest()
-
-
-@dataclass
-class _Wire:
-    """One message as SQS/SNS see it: body text, attributes (SQS shape), metadata."""
-
-    body: str
-    attributes: dict[str, dict[str, str]]
-    meta: dict[str, Any]
-    group_id: str
-
-    def with_meta(self, **changes: Any) -> _Wire:
-        meta = {k: v for k, v in {**self.meta, **changes}.items() if v is not None}
-        attrs = dict(self.attributes)
-        attrs[ATTR_META] = {"DataType": "String", "StringValue": _dumps(meta)}
-        return _Wire(self.body, attrs, meta, self.group_id)
-
-    def size(self) -> int:
-        total = len(self.body.encode("utf-8"))
-        for name, value in self.attributes.items():
-            total += len(name.encode()) + len(value["DataType"]) + len(
-                value.get("StringValue", "").encode("utf-8")
-            )
-        return total
-
-    def sns_attributes(self) -> dict[str, dict[str, str]]:
-        return self.attributes
-
-
-def _dumps(meta: Mapping[str, Any]) -> str:
-    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
-
-
-def _to_wire(env: Envelope) -> _Wire:
-    text, flag = _encode_body(env.body)
-    meta: dict[str, Any] = {"v": 1, M_ID: env.id, M_PUBLISHED: env.published_at}
-    if env.key is not None:
-        meta[M_KEY] = env.key
-    if env.priority:
-        meta["p"] = env.priority
-    if env.deliver_at is not None:
-        meta[M_DUE] = env.deliver_at
-    if flag:
-        meta["e"] = flag
-    attrs: dict[str, dict[str, str]] = {
-        ATTR_TOPIC: {"DataType": "String", "StringValue": env.topic}
-    }
-    headers = dict(env.headers)
-    if headers and (len(headers) > NATIVE_HEADER_SLOTS or not all(headers.values())):
-        meta["h"] = headers  # SQS rejects empty attribute values and more than 10 attributes
-    else:
-        for name, value in headers.items():
-            attrs[name] = {"DataType": "String", "StringValue": value}
-    attrs[ATTR_META] = {"DataType": "String", "StringValue": _dumps(meta)}
-    return _Wire(text, attrs, meta, _group_id(env.key, env.id))
-
-
-def _from_sqs(msg: Mapping[str, Any]) -> _Wire:
-    """Rebuild the wire form of a received SQS message (for re-sends and dead letters)."""
-    attrs: dict[str, dict[str, str]] = {}
-    meta: dict[str, Any] = {}
-    for name, value in (msg.get("MessageAttributes") or {}).items():
-        dtype = value.get("DataType", "String")
-        if "StringValue" in value:
-            attrs[name] = {"DataType": dtype, "StringValue": value["StringValue"]}
-    raw = attrs.get(ATTR_META, {}).get("StringValue")
-    if raw:
-        try:
-            loaded = json.loads(raw)
-            if isinstance(loaded, dict):
-                meta = loaded
-        except ValueError:
-            meta = {}
-    sysattrs = msg.get("Attributes") or {}
-    group = sysattrs.get("MessageGroupId") or str(meta.get(M_ID) or msg.get("MessageId"))
-    return _Wire(msg.get("Body", ""), attrs, meta, group)
-
-
-def _sns_entry(wire: _Wire, index: int, env: Envelope) -> dict[str, Any]:
-    return {
-        "Id": str(index),
-        "Message": wire.body,
-        "MessageAttributes": wire.sns_attributes(),
-        "MessageGroupId": wire.group_id,
-        "MessageDeduplicationId": _dedup_id(env.topic, env.id),
-    }
-
-
-# -- names and filter policies ----------------------------------------------------------------
-def _queue_base(prefix: str, group: str) -> str:
-    """SQS-safe, injective base name for a group (suffixes ``-dlq``/``.fifo`` added later)."""
-    room = QUEUE_NAME_MAX - len(prefix) - len(".fifo")
-    return prefix + fit_name(group, room, safe=_SQS_NAME, reserved_suffixes=("-dlq",))
-
-
-def filter_policy(pattern: str) -> dict[str, Any] | None:
-    """An SNS filter policy admitting every topic that matches ``pattern`` (a superset);
-    None when every message must be admitted (the driver's own match decides)."""
-    f = Pattern(pattern).native_filter()
-    if f.exact is None:
-        return None
-    rules: list[Any] = [f.exact]
-    if f.prefix is not None:
-        rules.append({"prefix": f.prefix})
-    if f.suffix is not None:
-        rules.append({"suffix": f.suffix})
-    return {ATTR_TOPIC: rules}
-
-
-@dataclass
-class _Group:
-    name: str
-    pattern: str
-    queue_url: str
-    queue_arn: str
-    dlq_url: str
-    fifo: bool
-    subscription_arn: str | None = None
-    exact: bool = True
-
-
-@dataclass
-class _Receipt:
-    handle: str
-    group: _Group
-    received_at: float  #: wall time just before the receive call
-    wire: _Wire
-    delivery: Delivery | None = field(default=None, repr=False)
-    attempt: int = 1
-
-
-class _Subscription(DriverSubscription):
-    def __init__(self, driver: SQSDriver, group: _Group, spec: GroupSpec) -> None:
-        self._driver = driver
-        self._group = group
-        self._spec = spec
-        self._lease = max(1, math.ceil(spec.lease))
-        self._closed = False
-
-    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
-        deadline = time.monotonic() + max(0.0, timeout)
-        want = max(1, min(max_messages, BATCH))
-        while not self._closed:
-            remaining = deadline - time.monotonic()
-            wait = int(min(MAX_WAIT, max(0.0, remaining)))
-            out = self._driver._receive(self._group, want, wait, self._lease)
-            if out:
-                return out
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return []
-            if wait == 0:  # under a second left: poll gently until the deadline
-                time.sleep(min(remaining, 0.2))
-        return []
-
-    def ack(self, receipts: Sequence[Any]) -> None:
-        self._driver._ack(list(receipts))
-
-    def nack(self, receipt: Any, delay: float) -> None:
-        self._driver._nack(receipt, delay)
-
-    def extend(self, receipt: Any, seconds: float) -> None:
-        self._driver._extend(receipt, seconds)
-
-    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
-        self._driver._dead_letter(receipt, reason, attempts)
-
-    def close(self) -> None:
-        self._closed = True
 
 
 class SQSDriver(Driver):
@@ -640,7 +401,7 @@ class SQSDriver(Driver):
                 return None
 
     def subscribe(self, spec: GroupSpec) -> DriverSubscription:
-        return _Subscription(self, self._declare(spec), spec)
+        return SQSSubscription(self, self._declare(spec), spec)
 
     def _queue_url(self, name: str) -> str | None:
         try:
@@ -998,20 +759,3 @@ class SQSDriver(Driver):
 
 def _raise(exc: BaseException) -> None:
     raise exc
-
-
-def _size_chunks(indexes: list[int], wires: Sequence[_Wire], limit: int) -> list[list[int]]:
-    """Split into runs of ≤ 10 entries whose total size fits one batch request."""
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i in indexes:
-        s = wires[i].size()
-        if current and (len(current) == BATCH or size + s > limit):
-            chunks.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += s
-    if current:
-        chunks.append(current)
-    return chunks
