@@ -314,8 +314,11 @@ class _Publisher:
             self.confirms.reset()
             ch._impl.add_on_return_callback(self.confirms.on_return)
             ch._impl.confirm_delivery(self.confirms.on_confirm, callback=ready.append)
+            limit = time.monotonic() + max(1.0, params.socket_timeout or 10.0)
             while not ready:
-                conn.process_data_events(time_limit=1.0)
+                if time.monotonic() >= limit:
+                    raise pex.AMQPConnectionError("no answer to confirm.select")
+                conn.process_data_events(time_limit=0.01)  # waits out its whole limit
         except BaseException:
             with contextlib.suppress(Exception):
                 conn.close()
@@ -1671,6 +1674,11 @@ class RabbitMQDriver(Driver):
             raise InvalidArgument("prefetch must be ≥ 1")
         if not opts["exchange"] or len(opts["exchange"]) > 100:
             raise InvalidArgument("exchange must be 1-100 characters")
+        for name in ("connect_timeout", "publish_timeout"):
+            if not 0 < opts[name] < 1e6:  # also rejects nan; pika needs a positive timeout
+                raise InvalidArgument(f"{name} must be > 0 and < 1e6 seconds")
+        if not 0 <= opts["heartbeat"] <= 65535:
+            raise InvalidArgument("heartbeat must be 0 (off) to 65535 seconds")
         driver = cls(url, opts)
         driver._admin.run(
             lambda a: a.ch.exchange_declare(driver._exchange, "topic", durable=True),
