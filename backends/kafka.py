@@ -12,6 +12,14 @@ Mapping (details and reasons in ``docs/backends/kafka.md``):
   internal topic ``__mqa..groups`` (durable, shared between processes);
 * per-message ack on top of offsets: only the contiguous acked prefix of each partition is
   committed; auto-commit is off;
+* the lease rule across freezes and crashes: each offset commit carries the partition's
+  checkpoint as metadata (delivery mark, takeover bump, latest lease deadline, settled
+  offsets, ``_Checkpoint``). The coordinator validates commits against member id and
+  generation, so records are handed out, and anything re-published, only after such a
+  commit succeeded (a consumer woken from a freeze past its session writes nothing); a
+  new owner holds inherited records until the recorded deadline and delivers them with
+  a higher attempt than any earlier owner gave. The session stays short (6 s): a frozen
+  or killed holder's messages are back at most ``release_margin`` after their deadline;
 * nack, lease expiry, delay and replay re-publish the message to the group's retry topic
   with its due time and delivery count in headers; a background thread per consumer
   holds records that are not due yet and hands them out when they are.
@@ -757,13 +765,13 @@ class _Checkpoint(NamedTuple):
     deadline: float = 0.0
     done: tuple[tuple[int, int], ...] = ()
 
-    def encode(self) -> str:
+    def encode(self, limit: int = _CKPT_RANGES) -> str:
         items: list[str] = []
         size = 0
         for a, b in self.done:
             item = str(a) if a == b else f"{a}-{b}"
             size += len(item) + 1
-            if size > _CKPT_RANGES:
+            if size > limit:
                 break
             items.append(item)
         return f"{_CKPT} {self.mark} {self.bump} {int(self.deadline * 1000)} {','.join(items)}"
@@ -839,13 +847,14 @@ class _Part:
             return order[0]
         return self.next_fetch
 
-    def checkpoint(self) -> tuple[int | None, str]:
+    def checkpoint(self, limit: int = _CKPT_RANGES) -> tuple[int | None, str]:
         """(offset to commit, metadata): call with the subscription lock held."""
         point = self.commit_point()
         if point is None:
             point = self.committed
         done = [o for o in self.done if point is None or o >= point]
-        return point, _Checkpoint(self.mark, self.bump, self.deadline, _ranges(done)).encode()
+        ckpt = _Checkpoint(self.mark, self.bump, self.deadline, _ranges(done))
+        return point, ckpt.encode(limit)
 
 
 class _Rec:
@@ -908,6 +917,7 @@ class KafkaSubscription(DriverSubscription):
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
         self.commit_lock = threading.Lock()  # one commit built and sent at a time
+        self.ckpt_limit = _CKPT_RANGES  # halved if the broker keeps less commit metadata
         self.ready: deque[_Rec] = deque()
         self.held: list[tuple[float, int, _Rec]] = []
         self.leased: dict[int, _Rec] = {}
@@ -1007,7 +1017,18 @@ class KafkaSubscription(DriverSubscription):
         retry_at = 0.0  # when to position a new assignment again after a failure
         try:
             while not self.group_stopping:
-                recs = self.group.poll(timeout_ms=200, max_records=1000)
+                try:
+                    recs = self.group.poll(timeout_ms=200, max_records=1000)
+                except Exception as exc:
+                    # kafka-python 3.0's poll raises the connection error of a coordinator
+                    # lookup made while the broker is down (its metadata refresh fails);
+                    # the same consumer works again once the broker is back.
+                    if not _transient(exc):
+                        raise
+                    log.info("kafka: group consumer of %s waits for the broker: %s",
+                             self.spec.name, redact(str(exc))[:300])
+                    time.sleep(0.2)
+                    continue
                 self._keep_join_alive()
                 if recs:
                     self._ingest(recs)
@@ -1075,7 +1096,7 @@ class KafkaSubscription(DriverSubscription):
         offsets: dict[TopicPartition, OffsetAndMetadata] = {}
         with self.lock:
             for tp, part in self.parts.items():
-                point, meta = part.checkpoint()
+                point, meta = part.checkpoint(self.ckpt_limit)
                 if point is None:
                     continue
                 if point != part.committed or meta != part.meta or tp in force:
@@ -1136,6 +1157,10 @@ class KafkaSubscription(DriverSubscription):
                     max(0.05, deadline - time.monotonic()) * 1000))
             except Exception as exc:
                 self._committed(offsets, exc)
+                if type(exc).__name__ == "OffsetMetadataTooLargeError":
+                    # offset.metadata.max.bytes below Apache Kafka's default 4096: list
+                    # fewer settled ranges (the rest is delivered again after a takeover).
+                    self.ckpt_limit //= 2
                 if type(exc).__name__ in ("CommitFailedError", "RebalanceInProgressError",
                                           "UnknownMemberIdError", "IllegalGenerationError",
                                           "IllegalStateError"):
