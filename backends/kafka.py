@@ -106,7 +106,7 @@ _TANSU_NO_TS = -1
 NO_AUTO_CREATE: dict[str, Any] = {"allow_auto_create_topics": False}
 #: Seconds between a frozen or dead member's eviction (its session after its last heartbeat)
 #: and the first delivery by the partitions' new owner: the join, positioning, a fetch.
-#: Measured up to 1.2 s on a loaded two-core machine; doubled and rounded up.
+#: Measured up to 0.6 s after the session on a loaded two-core machine; 2.5 s of headroom.
 _RELEASE_SLACK = 2.5
 _REBALANCING = getattr(getattr(_kstructs, "MemberState", None), "REBALANCING", "<rebalancing>")
 
@@ -265,9 +265,9 @@ class KafkaDriver(Driver):
         max_receive=1000,
         min_lease=1.0,  # a lease that runs out is a re-publish to the retry topic
         # A frozen or killed member is evicted one session (6 s) after its last heartbeat,
-        # at most one session after its lease deadline; its partitions' new owner delivers
-        # after a join (measured 6.1-7.2 s in all, docs/backends/kafka.md). The instance
-        # value follows session_timeout_ms.
+        # so at most one session after its lease deadline; its partitions' new owner
+        # delivers after a join (measured: at most 6.1 s after the deadline,
+        # docs/backends/kafka.md). The instance value follows session_timeout_ms.
         release_margin=_RELEASE_SLACK + 6.0,
         max_consumers_per_group=4,  # the default ``partitions``
         notes={
@@ -305,8 +305,9 @@ class KafkaDriver(Driver):
                 f"cannot connect to {url.redacted()}: {type(exc).__name__}: "
                 f"{redact(str(exc))[:300]}"
             ) from exc
-        # The only instance refinement: competing consumers are bounded by the partitions
-        # this driver creates (retry topics included, whose partitions are the slots).
+        # Instance refinements: competing consumers are bounded by the partitions this
+        # driver creates (retry topics included, whose partitions are the slots); the
+        # release margin follows the session.
         self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions,
                              release_margin=opts["session_timeout_ms"] / 1000 + _RELEASE_SLACK)
 
