@@ -222,10 +222,19 @@ class Message:
         self._state = op
         return True
 
+    def _driver_settle(self, settle: Callable[..., None], *args: Any) -> None:
+        """Run a driver settle; a driver that knows the lease is gone before the deadline
+        (its connection or partition was lost) raises ``LeaseExpired``: not settled then."""
+        try:
+            settle(self, *args)
+        except LeaseExpired:
+            self._state = "expired"
+            raise
+
     def ack(self) -> None:
         """Done: remove the message for this group. A second ack is a no-op."""
         if self._begin("acked"):
-            self._sub._settle_ack(self)
+            self._driver_settle(self._sub._settle_ack)
 
     def nack(self, delay: float = 0.0) -> None:
         """Give the message back for redelivery after ``delay`` seconds.
@@ -236,7 +245,7 @@ class Message:
         if self._state is None:
             self._sub._check_nack(delay)
         if self._begin("nacked"):
-            self._sub._settle_nack(self, float(delay))
+            self._driver_settle(self._sub._settle_nack, float(delay))
 
     def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
         """Move the message to the group's dead-letter store now, with ``reason``."""
@@ -245,14 +254,14 @@ class Message:
         if self._state is None:
             self._sub._broker._require(Feature.DEAD_LETTER)
         if self._begin("dead-lettered"):
-            self._sub._settle_dead(self, reason, self.attempt)
+            self._driver_settle(self._sub._settle_dead, reason, self.attempt)
 
     def extend(self, seconds: float) -> None:
         """Renew the lease: keep the message ours for ``seconds`` from now."""
         if self.settled:
             raise AlreadySettled(f"message {self.id} was already {self._state}")
         self._check_lease()
-        self._sub._extend(self, seconds)
+        self._driver_settle(self._sub._extend, seconds)
 
     def __repr__(self) -> str:
         return (

@@ -51,6 +51,29 @@ def test_lease_expiry_and_extend_on_fake_clock(mq: mqabstract.Broker, clock: Fak
 
 
 @pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
+def test_driver_reported_lost_lease_leaves_the_message_unsettled(
+        mq: mqabstract.Broker, op: str) -> None:
+    """A driver that learns before the deadline that a lease is gone (connection or
+    partition lost) raises LeaseExpired; the message is then expired, not settled."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish("a.b", b"x")
+    [m] = sub.receive(1, 0)
+    inner = sub._inner  # type: ignore[attr-defined]
+
+    def lost(*_args: object) -> None:
+        raise mqabstract.LeaseExpired("connection lost with the lease")
+
+    setattr(inner, op, lost)
+    call = {"ack": m.ack, "nack": m.nack, "dead_letter": m.dead_letter,
+            "extend": lambda: m.extend(10)}[op]
+    with pytest.raises(mqabstract.LeaseExpired):
+        call()
+    assert not m.settled
+    with pytest.raises(mqabstract.LeaseExpired):  # and stays so: nothing reaches the driver
+        m.ack()
+
+
+@pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
 def test_lease_rule_on_fake_clock(mq: mqabstract.Broker, clock: FakeClock, op: str) -> None:
     """At the deadline a settle raises LeaseExpired, even before anyone else received the
     message (the memory reference used to honour it then); a tick before, it counts."""
