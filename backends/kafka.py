@@ -108,6 +108,8 @@ NO_AUTO_CREATE: dict[str, Any] = {"allow_auto_create_topics": False}
 #: and the first delivery by the partitions' new owner: the join, positioning, a fetch.
 #: Measured up to 0.6 s after the session on a loaded two-core machine; 2.5 s of headroom.
 _RELEASE_SLACK = 2.5
+#: Longest a revocation waits for re-publishes in flight (on kafka-python's IO thread).
+_MOVING_WAIT = 3.0
 _REBALANCING = getattr(getattr(_kstructs, "MemberState", None), "REBALANCING", "<rebalancing>")
 
 
@@ -918,6 +920,8 @@ class KafkaSubscription(DriverSubscription):
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
         self.commit_lock = threading.Lock()  # one commit built and sent at a time
+        self.epoch = 0  # revocations so far (lock held)
+        self.moving = 0  # re-publishes between their fence and their settled mark
         self.ckpt_limit = _CKPT_RANGES  # halved if the broker keeps less commit metadata
         self.ready: deque[_Rec] = deque()
         self.held: list[tuple[float, int, _Rec]] = []
@@ -1089,7 +1093,7 @@ class KafkaSubscription(DriverSubscription):
             with contextlib.suppress(MQError):
                 self._fence(self.d.opts["request_timeout_ms"] / 1000)
         else:
-            self._send_checkpoints(None, block=False)
+            self._send_checkpoints(None)
 
     def _checkpoints(self, force: Collection[TopicPartition]
                      ) -> dict[TopicPartition, OffsetAndMetadata]:
@@ -1105,28 +1109,45 @@ class KafkaSubscription(DriverSubscription):
                     part.committed, part.meta = point, meta
         return offsets
 
-    def _send_checkpoints(self, force: Collection[TopicPartition] | None,
-                          block: bool = True) -> None:
-        """Commit changed checkpoints without waiting. Every commit is built and sent under
-        ``commit_lock``, so they reach the coordinator in the order their contents were
-        read (kafka-python sends scheduled requests in order on one connection): a later
-        commit never carries an older mark. ``block=False`` (group thread, rebalance
-        listener on kafka-python's IO thread): skip when another commit is under way, whose
-        successor picks the changes up."""
-        if not self.commit_lock.acquire(blocking=block):
-            return
+    def _schedule(self, force: Collection[TopicPartition]) -> tuple[Any, Any] | None:
+        """Send the changed checkpoints (plus those of ``force``) as one asynchronous
+        commit; return (future, offsets), or None when there was nothing to send.
+
+        Built and scheduled under ``commit_lock``, which is never held while waiting for
+        the network: commits are scheduled in the order their contents were read, and
+        kafka-python sends scheduled commits in that order on one connection, so a later
+        commit never carries an older mark (a synchronous commit is scheduled only after
+        its coordinator check and could overtake). Callable from any thread, including
+        the rebalance listener on kafka-python's IO thread.
+        """
+        coordinator = getattr(self.group, "_coordinator", None)
+        # Not commit_async: with the coordinator unknown, it returns the lookup's future.
+        send = getattr(coordinator, "_do_commit_offsets_async", None)
+        with self.commit_lock:
+            offsets = self._checkpoints(force)
+            if not offsets:
+                return None
+            try:
+                if send is not None:
+                    future = send(offsets, self._committed)
+                else:  # pragma: no cover - kafka-python changed
+                    future = self.group.commit_async(offsets, callback=self._committed)
+            except Exception as exc:
+                self._committed(offsets, exc)
+                raise
+        return future, offsets
+
+    def _send_checkpoints(self, force: Collection[TopicPartition] | None) -> None:
+        """Commit changed checkpoints without waiting (a failed one is sent again with the
+        next)."""
         try:
-            offsets = self._checkpoints(force or ())
-            if offsets:
-                self.group.commit_async(offsets, callback=self._committed)
-        except Exception as exc:  # the next commit retries
+            self._schedule(force or ())
+        except Exception as exc:
             log.debug("kafka: commit of %s not sent: %s", self.spec.name, exc)
-        finally:
-            self.commit_lock.release()
 
     def _stable(self) -> bool:
         """Whether kafka-python considers the membership stable (it refuses commits
-        otherwise, and a synchronous commit would retry that until its timeout)."""
+        otherwise)."""
         stable = getattr(getattr(self.group, "_coordinator", None), "generation_if_stable", None)
         return stable is None or stable() is not None
 
@@ -1143,35 +1164,32 @@ class KafkaSubscription(DriverSubscription):
         Raises ``LeaseExpired`` when membership is lost or a rebalance is under way,
         ``Timeout`` / ``ConnectionFailed`` when the coordinator does not answer in time.
         """
-        deadline = time.monotonic() + budget
-        if not self.commit_lock.acquire(timeout=max(0.01, budget)):
-            raise Timeout(f"commit of {self.spec.name!r} still busy after {budget:.2f}s")
+        if not self._stable():
+            raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
         try:
-            offsets = self._checkpoints(force)
-            if not offsets:
-                return
-            if not self._stable():
-                self._committed(offsets, RuntimeError("rebalancing"))
-                raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
-            try:
-                self.group.commit(offsets, timeout_ms=int(
-                    max(0.05, deadline - time.monotonic()) * 1000))
-            except Exception as exc:
-                self._committed(offsets, exc)
-                if type(exc).__name__ == "OffsetMetadataTooLargeError":
-                    # offset.metadata.max.bytes below Apache Kafka's default 4096: list
-                    # fewer settled ranges (the rest is delivered again after a takeover).
-                    self.ckpt_limit //= 2
-                if type(exc).__name__ in ("CommitFailedError", "RebalanceInProgressError",
-                                          "UnknownMemberIdError", "IllegalGenerationError",
-                                          "IllegalStateError"):
-                    raise LeaseExpired(
-                        f"consumer of {self.spec.name!r} is no longer a member of the "
-                        f"current generation: {type(exc).__name__}") from exc
-                raise _native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
-            self._committed(offsets, None)
-        finally:
-            self.commit_lock.release()
+            sent = self._schedule(force)
+        except Exception as exc:
+            raise _native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
+        if sent is None:
+            return
+        future, _ = sent
+        landed = threading.Event()
+        future.add_both(lambda _: landed.set())
+        if not landed.wait(max(0.05, budget)):
+            raise Timeout(f"commit of {self.spec.name!r} not confirmed within {budget:.2f}s")
+        exc = future.exception
+        if exc is None:
+            return
+        name = type(exc).__name__
+        if name == "OffsetMetadataTooLargeError":
+            # offset.metadata.max.bytes below Apache Kafka's default 4096: list fewer
+            # settled ranges (the rest is delivered again after a takeover).
+            self.ckpt_limit //= 2
+        if name in ("CommitFailedError", "RebalanceInProgressError", "UnknownMemberIdError",
+                    "IllegalGenerationError", "IllegalStateError"):
+            raise LeaseExpired(f"consumer of {self.spec.name!r} is no longer a member of the "
+                               f"current generation: {name}") from exc
+        raise _native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
 
     def _committed(self, offsets: Mapping[TopicPartition, Any], error: Any) -> None:
         """A commit failed (e.g. during a rebalance): try again with the next one."""
@@ -1192,13 +1210,23 @@ class KafkaSubscription(DriverSubscription):
     # -- rebalance (group consumer) -------------------------------------------------------
     def revoked(self, revoked: Any) -> None:
         slots = {tp.partition for tp in revoked if tp.topic == self.retry}
-        with self.lock:
+        with self.cv:
+            # Re-publishes that passed their fence finish first, so that the checkpoint
+            # below lists their originals as settled (else the next owner delivers the
+            # original with the attempt the copy has). Later ones see the new epoch and
+            # write nothing. This blocks kafka-python's IO thread (heartbeats) for at
+            # most _MOVING_WAIT; the writes go through the producer, not this consumer.
+            self.epoch += 1
+            end = time.monotonic() + _MOVING_WAIT
+            while self.moving and time.monotonic() < end:
+                self.cv.wait(max(0.001, end - time.monotonic()))
             gone = {tp for tp in self.parts
                     if tp in set(revoked)
                     or (tp.topic != self.retry and _slot(tp, self.slot_count) in slots)}
-        # Non-blocking (we are on kafka-python's IO thread): sent before the JoinGroup
-        # that follows; if it fails, the next owner re-delivers (attempt + 1).
-        self._send_checkpoints(gone, block=False)
+        # Scheduled here, on kafka-python's IO thread: sent before the JoinGroup that
+        # follows; if it fails, the next owner re-delivers (attempt + 1).
+        log.debug("kafka: %s revoked %s", self.spec.name, sorted(gone))
+        self._send_checkpoints(gone)
         with self.cv:
             for tp in gone:
                 part = self.parts.pop(tp, None)
@@ -1217,6 +1245,7 @@ class KafkaSubscription(DriverSubscription):
     def assigned(self, assigned: Any) -> None:
         # Only bookkeeping here: positions are set by the group thread.
         assigned = set(assigned)
+        log.debug("kafka: %s assigned %s", self.spec.name, sorted(assigned))
         if assigned:
             self.group.pause(*assigned)
         with self.lock:
@@ -1225,6 +1254,7 @@ class KafkaSubscription(DriverSubscription):
     def _take_assignment(self) -> None:
         with self.lock:
             assigned, self.new_assignment = self.new_assignment, None
+            epoch = self.epoch
         if assigned is None:
             return
         try:
@@ -1234,7 +1264,9 @@ class KafkaSubscription(DriverSubscription):
                 if self.new_assignment is None:
                     self.new_assignment = assigned
             raise
-        fresh = self._adopt(assigned, committed, self.group)
+        fresh = self._adopt(assigned, committed, self.group, epoch=epoch)
+        if fresh is None:
+            return  # revoked again meanwhile: the next assignment follows
         for tp in fresh:
             self.group.seek_to_beginning(tp)  # the retry topic belongs to the group
             found = committed.get(tp)
@@ -1262,13 +1294,22 @@ class KafkaSubscription(DriverSubscription):
 
     def _adopt(self, assigned: Collection[TopicPartition],
                committed: Mapping[TopicPartition, OffsetAndMetadata | None],
-               consumer: Any) -> list[TopicPartition]:
+               consumer: Any, epoch: int | None = None,
+               version: int | None = None) -> list[TopicPartition] | None:
         """Take partitions over: keep our in-flight state where nobody committed since we
         had them (the stored checkpoint is still the one we sent: another owner that handed
         anything out would have committed its own first); return the partitions that need
-        a start position. A fresh partition starts from its checkpoint (``_Part``)."""
+        a start position. A fresh partition starts from its checkpoint (``_Part``).
+
+        None, adopting nothing, when the assignment is stale: revoked again (``epoch``) or
+        the slots changed (``version``) since it was read. Adopting it would make this
+        member hand out records of partitions another member owns: the coordinator checks
+        commits against the generation, not the assignment."""
         fresh: list[TopicPartition] = []
         with self.cv:
+            if ((epoch is not None and epoch != self.epoch)
+                    or (version is not None and version != self.slot_version)):
+                return None
             now = time.time()
             for tp in assigned:
                 found = committed.get(tp)
@@ -1276,6 +1317,8 @@ class KafkaSubscription(DriverSubscription):
                 old = self.suspended.pop(tp, None)
                 if old is not None and old[0].next_fetch and stored in (
                         old[0].revoked_at, (old[0].confirmed, old[0].sent_meta)):
+                    log.debug("kafka: %s takes %s back (checkpoint %s)", self.spec.name,
+                              tp, stored)
                     part, stash = old
                     if stored != (part.committed, part.meta):
                         part.committed, part.meta = stored
@@ -1288,6 +1331,8 @@ class KafkaSubscription(DriverSubscription):
                             self.ready.append(rec)
                     continue
                 self.parts[tp] = _Part(found)
+                log.debug("kafka: %s takes %s over (checkpoint %s)", self.spec.name, tp,
+                          stored)
                 fresh.append(tp)
             # Leases on partitions that are not ours any more are stale now.
             for token, rec in list(self.leased.items()):
@@ -1394,7 +1439,7 @@ class KafkaSubscription(DriverSubscription):
             try:
                 committed = self.d.committed(self.spec.name, new)
                 start = []
-                for tp in self._adopt(new, committed, self.data):
+                for tp in self._adopt(new, committed, self.data, version=version) or ():
                     found = committed.get(tp)
                     if found is not None:
                         self.data.seek(tp, found.offset)
@@ -1489,22 +1534,11 @@ class KafkaSubscription(DriverSubscription):
             buffered = len(self.ready) + len(self.held)
         if expired or handoff:
             expired, handoff = self._fence_tick(expired, handoff)
-        for rec in expired:  # the lease ran out: redeliver with attempt + 1
-            try:
-                self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
-            except MQError:
-                self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
-        for rec in handoff:
-            try:
-                self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
-            except MQError:
-                with self.cv:  # stays here, ready again
-                    rec.n += 1  # the write may have landed: never the same attempt twice
-                    if rec.tp in self.parts:
-                        rec.since = time.monotonic()
-                        self.ready.append(rec)
-                        self.cv.notify_all()
         if expired or handoff:
+            try:
+                self._move(expired, handoff)
+            finally:
+                self._end_move()
             self._send_checkpoints(None)  # the originals are done: a takeover skips them
         limit = self.d.opts["max_buffered"]
         if buffered > limit and not self.paused and self.data_assigned:
@@ -1523,8 +1557,12 @@ class KafkaSubscription(DriverSubscription):
         leases are kept (tried again shortly, or dropped when the partition turns out to
         have moved) and the hand-offs go back to the ready queue."""
         budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
+        with self.lock:
+            epoch = self.epoch
         try:
             self._fence(budget, force={rec.tp for rec in (*expired, *handoff)})
+            if not self._begin_move(epoch):
+                raise LeaseExpired("a rebalance began")
         except MQError as exc:
             log.info("kafka: %d records of %s not re-published: %s",
                      len(expired) + len(handoff), self.spec.name, redact(str(exc))[:300])
@@ -1542,6 +1580,37 @@ class KafkaSubscription(DriverSubscription):
                 self.cv.notify_all()
             return [], []
         return expired, handoff
+
+    def _begin_move(self, epoch: int) -> bool:
+        """After a successful ``_fence``: count a re-publish in flight, unless a revocation
+        began since ``epoch`` (then write nothing). ``revoked`` waits for those counted."""
+        with self.cv:
+            if self.epoch != epoch:
+                return False
+            self.moving += 1
+            return True
+
+    def _end_move(self) -> None:
+        with self.cv:
+            self.moving -= 1
+            self.cv.notify_all()
+
+    def _move(self, expired: list[_Rec], handoff: list[_Rec]) -> None:
+        for rec in expired:  # the lease ran out: redeliver with attempt + 1
+            try:
+                self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
+            except MQError:
+                self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
+        for rec in handoff:
+            try:
+                self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
+            except MQError:
+                with self.cv:  # stays here, ready again
+                    rec.n += 1  # the write may have landed: never the same attempt twice
+                    if rec.tp in self.parts:
+                        rec.since = time.monotonic()
+                        self.ready.append(rec)
+                        self.cv.notify_all()
 
     def _pick_handoff(self) -> list[_Rec]:
         """Ready records nobody here asks for go to another consumer of the group.
@@ -1660,7 +1729,8 @@ class KafkaSubscription(DriverSubscription):
         (they go back, and are dropped when the revocation arrives). Bounded by a quarter
         lease: the portable layer's lease clock started at the call.
         """
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while True:
             picked: list[tuple[int, _Rec]] = []
             with self.cv:
@@ -1694,6 +1764,12 @@ class KafkaSubscription(DriverSubscription):
             budget = min(max(self.spec.lease / 4, 0.25), self.d.opts["request_timeout_ms"] / 1000)
             try:
                 self._fence(budget, force={rec.tp for _, rec in picked})
+                if time.monotonic() - started > self.spec.lease / 2:
+                    # Frozen (or stalled) between the fence and here: the lease, counted
+                    # by the portable layer from the call, is (nearly) over and the
+                    # partition may have a new owner already. Hand nothing out: the
+                    # records are covered by the mark just committed (attempt + 1 later).
+                    raise LeaseExpired("the receive call outlived half the lease")
             except MQError as exc:
                 log.info("kafka: %d records of %s not handed out: %s", len(picked),
                          self.spec.name, redact(str(exc))[:300])
@@ -1715,23 +1791,26 @@ class KafkaSubscription(DriverSubscription):
             return [Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0, rec.n + 1,
                              rec.published_at, token) for token, rec in picked]
 
-    def _fence_for(self, rec: _Rec) -> None:
-        """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter) or extends
-        its lease: wait out a rebalance within the lease; ``LeaseExpired`` when the
-        partition is not ours any more."""
+    def _fence_for(self, rec: _Rec, move: bool = True) -> None:
+        """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter: ``move``,
+        then ``_end_move`` after the write) or extends its lease: wait out a rebalance
+        within the lease; ``LeaseExpired`` when the partition is not ours any more."""
         end = time.monotonic() + min(max(0.5, rec.deadline - time.time()),
                                      self.d.opts["request_timeout_ms"] / 1000)
         while True:
             with self.lock:
                 owned = rec.tp in self.parts
                 suspended = rec.tp in self.suspended
+                epoch = self.epoch
             if not owned and not suspended:
                 raise LeaseExpired(f"message {rec.id}: its partition moved to another "
                                    "consumer of the group")
             left = end - time.monotonic()
             if owned and self._stable():  # (kafka-python's lock: not under ours)
                 self._fence(max(0.05, left), force={rec.tp})
-                return
+                if not move or self._begin_move(epoch):
+                    return
+                continue  # a revocation began: wait for the assignment
             if left <= 0:
                 raise LeaseExpired(f"message {rec.id}: group {self.spec.name!r} is "
                                    "rebalancing")
@@ -1796,6 +1875,8 @@ class KafkaSubscription(DriverSubscription):
         except MQError:
             self._relapse(rec, receipt, rec.deadline)
             raise
+        finally:
+            self._end_move()
         self._send_checkpoints(None)  # the original is done: a takeover skips it
 
     def extend(self, receipt: Any, seconds: float) -> None:
@@ -1813,7 +1894,7 @@ class KafkaSubscription(DriverSubscription):
                 return
             if part is not None:
                 part.deadline = until
-        self._fence_for(rec)
+        self._fence_for(rec, move=False)
         with self.lock:
             if self.leased.get(receipt) is rec:
                 rec.deadline = until
@@ -1841,10 +1922,12 @@ class KafkaSubscription(DriverSubscription):
             raise
         try:
             self.d.send_one(topic, rec.body, uuid.uuid4().hex.encode(), headers)
+            self._done(rec)
         except MQError:
             self._relapse(rec, receipt, rec.deadline)
             raise
-        self._done(rec)
+        finally:
+            self._end_move()
         self._send_checkpoints(None)
 
     def _requeue(self, rec: _Rec, n: int, delay: float, avoid_self: bool = False,
