@@ -257,9 +257,15 @@ class Worker:
             return [ln.split() for ln in self.lines]
 
 
-def feed(ledger: Ledger, worker: Worker) -> None:
-    """Add a consumer worker's RECV / ACKED lines to the ledger (after it exited)."""
-    for ev in worker.events():
+def feed(ledger: Ledger, *workers: Worker) -> None:
+    """Add consumer workers' RECV / ACKED lines to the ledger (after they exited), merged
+    in time order when they ran at the same time (the lines carry time.monotonic())."""
+    lines = [ev for w in workers for ev in w.events()]
+    if len(workers) > 1:
+        stamped = [ev for ev in lines if ev[0] in ("RECV", "ACKED")]
+        lines = [ev for ev in lines if ev[0] not in ("RECV", "ACKED")]
+        lines += sorted(stamped, key=lambda ev: float(ev[-1]))
+    for ev in lines:
         if ev[0] == "RECV":
             ledger.deliver(ev[1], int(ev[2]), ev[3])
         elif ev[0] == "ACKED":

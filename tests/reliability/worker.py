@@ -61,7 +61,7 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
         last = time.monotonic()
         for msg in msgs:
             seen += 1
-            out("RECV", msg.id, msg.attempt, digest(msg.body))
+            out("RECV", msg.id, msg.attempt, digest(msg.body), repr(time.monotonic()))
             if msg.headers.get("poison") == "crash":
                 die()
             if phase == "recv" and seen == kill_at:
@@ -75,7 +75,7 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
             except mqabstract.LeaseExpired:  # frozen past the deadline: it comes back
                 out("EXPIRED", msg.id)
                 continue
-            out("ACKED", msg.id)
+            out("ACKED", msg.id, repr(time.monotonic()))
             if phase == "acked" and seen == kill_at:
                 die()
     out("DONE")
