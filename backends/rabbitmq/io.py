@@ -1,0 +1,453 @@
+"""The driver's native pika I/O: publisher confirms, the blocking publisher and admin
+connections, and the I/O thread (``_Link``) that runs every subscription's connection."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pika
+import pika.exceptions as pex
+from pika import spec as amqp
+from pika.adapters.select_connection import IOLoop
+
+from mqabstract.errors import (
+    ConnectionFailed,
+    InvalidArgument,
+    MQError,
+    NotFound,
+)
+from mqabstract.url import redact
+
+if TYPE_CHECKING:
+    from .subscription import RabbitMQSubscription
+
+
+log = logging.getLogger("mqabstract.rabbitmq")
+
+_TICK = 0.05  # lease / idle check period, seconds
+_CONN_ERRORS = (
+    pex.AMQPConnectionError, pex.ConnectionClosed, pex.StreamLostError,
+    pex.ConnectionWrongStateError, pex.ChannelWrongStateError, OSError,
+)
+
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+# ----------------------------------------------------------------------------------------
+# publishing primitives
+
+
+@dataclass(slots=True)
+class _Item:
+    """One basic.publish: where, what, and whether "unroutable" is a failure."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    props: pika.BasicProperties
+    must_route: bool = False
+
+
+class _Pending:
+    """Confirmation state of one group of publishes; ``done`` runs once all are settled."""
+
+    __slots__ = ("acked", "event", "failed", "left", "lock", "lost", "on_done", "returned")
+
+    def __init__(self, n: int, on_done: Callable[[_Pending], None] | None = None) -> None:
+        self.left = n
+        self.acked: list[int] = []
+        self.failed: dict[int, str] = {}
+        self.lost: list[int] = []
+        self.returned: list[int] = []
+        self.event = threading.Event()
+        self.on_done = on_done
+        self.lock = threading.Lock()
+        if n == 0:
+            self._finish()
+
+    def settle(self, j: int, outcome: str, why: str = "") -> None:
+        with self.lock:
+            if outcome == "ack":
+                self.acked.append(j)
+            elif outcome == "returned":
+                self.returned.append(j)
+            elif outcome == "lost":
+                self.lost.append(j)
+            else:
+                self.failed[j] = why
+            self.left -= 1
+            finished = self.left == 0
+        if finished:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.event.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # never let a callback kill the I/O loop
+                log.exception("publish completion callback failed")
+
+
+class _Confirms:
+    """Publisher-confirm bookkeeping for one confirm-mode channel: delivery tag → (pending,
+    index), and basic.return matching for publishes where "unroutable" is a failure."""
+
+    def __init__(self) -> None:
+        self.out: OrderedDict[int, tuple[_Pending, int, tuple[str, str, str] | None]] = (
+            OrderedDict()
+        )
+        self.tag = 0
+        self._returns: dict[tuple[str, str, str], deque[int]] = {}
+        self._returned: set[int] = set()
+
+    def reset(self) -> None:
+        """A new channel: tags restart at 1; whatever was unconfirmed is lost."""
+        out, self.out = self.out, OrderedDict()
+        self.tag = 0
+        self._returns.clear()
+        self._returned.clear()
+        for pend, j, _key in out.values():
+            pend.settle(j, "lost")
+
+    def send(self, publish: Callable[..., Any] | None, items: Sequence[_Item], pend: _Pending,
+             usable: Callable[[], bool]) -> None:
+        """Publish ``items`` with ``publish``; an error on the wire marks the rest lost (all
+        of them when there is no channel to publish on: ``publish`` None, ``usable`` False)."""
+        for j, item in enumerate(items):
+            if publish is None or not usable():
+                pend.settle(j, "lost")
+                continue
+            # Register the tag first: a blocking publish may read its own ack while flushing.
+            self.tag += 1
+            tag = self.tag
+            key = None
+            if item.must_route:
+                key = (item.exchange, item.routing_key, item.props.message_id or "")
+                self._returns.setdefault(key, deque()).append(tag)
+            self.out[tag] = (pend, j, key)
+            try:
+                publish(item.exchange, item.routing_key, item.body, item.props,
+                        mandatory=item.must_route)
+            except Exception as exc:  # channel/connection went away under us
+                log.debug("publish failed on the wire: %s", exc)
+                if self.out.pop(tag, None) is not None:
+                    pend.settle(j, "lost")
+                if key is not None and key in self._returns:
+                    with contextlib.suppress(ValueError):
+                        self._returns[key].remove(tag)
+
+    def on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ok = isinstance(method, amqp.Basic.Ack)
+        tag = method.delivery_tag
+        settled: list[tuple[int, tuple[_Pending, int, Any]]] = []
+        if method.multiple:
+            while self.out:
+                first = next(iter(self.out))
+                if first > tag:
+                    break
+                settled.append(self.out.popitem(last=False))
+        elif tag in self.out:
+            settled.append((tag, self.out.pop(tag)))
+        for t, (pend, j, key) in settled:
+            if key is not None:
+                waiting = self._returns.get(key)
+                if waiting is not None:
+                    with contextlib.suppress(ValueError):
+                        waiting.remove(t)
+                    if not waiting:
+                        del self._returns[key]
+            if t in self._returned:
+                self._returned.discard(t)
+                pend.settle(j, "returned")
+            elif ok:
+                pend.settle(j, "ack")
+            else:
+                pend.settle(j, "nack", "the broker refused the message (basic.nack)")
+
+    def on_return(self, _ch: Any, method: Any, props: Any, _body: bytes) -> None:
+        key = (method.exchange, method.routing_key, props.message_id or "")
+        waiting = self._returns.get(key)
+        if waiting:
+            self._returned.add(waiting.popleft())
+            if not waiting:
+                del self._returns[key]
+
+
+def _noop() -> None:
+    return None
+
+
+def _merge(result: _Pending, pend: _Pending, todo: list[int]) -> list[int]:
+    """Fold one attempt's outcome into ``result``; return the indexes to send again."""
+    with pend.lock:
+        for j in pend.acked:
+            result.settle(todo[j], "ack")
+        for j in pend.returned:
+            result.settle(todo[j], "returned")
+        for j, why in pend.failed.items():
+            result.settle(todo[j], "nack", why)
+        return [todo[j] for j in sorted(pend.lost)]
+
+
+class _Publisher:
+    """Publishes from the calling thread on a BlockingConnection of its own, so a single
+    publish costs what raw pika's does (no hop to the I/O thread). Confirms are pipelined:
+    confirm mode is switched on at the pika channel implementation (``_impl``), so
+    BlockingChannel does not wait per message; acks arrive through ``process_data_events``.
+    One caller at a time; a lost connection is re-opened and the unconfirmed re-sent."""
+
+    def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
+        self.params = params
+        self.where = where
+        self.lock = threading.Lock()
+        self.conn: pika.BlockingConnection | None = None
+        self.ch: Any = None
+        self.confirms = _Confirms()
+        self.last_error = ""
+        self._rr = 0
+
+    def _open(self) -> None:
+        params = self.params[self._rr % len(self.params)]
+        self._rr += 1
+        conn = pika.BlockingConnection(params)
+        try:
+            ch = conn.channel()
+            ready: list[Any] = []
+            self.confirms.reset()
+            ch._impl.add_on_return_callback(self.confirms.on_return)
+            ch._impl.confirm_delivery(self.confirms.on_confirm, callback=ready.append)
+            limit = time.monotonic() + max(1.0, params.socket_timeout or 10.0)
+            while not ready:
+                if time.monotonic() >= limit:
+                    raise pex.AMQPConnectionError("no answer to confirm.select")
+                conn.process_data_events(time_limit=0.01)  # waits out its whole limit
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise
+        self.conn, self.ch = conn, ch
+
+    def _drop(self, exc: BaseException) -> None:
+        self.last_error = redact(_describe(exc))
+        conn, self.conn, self.ch = self.conn, None, None
+        self.confirms.reset()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _usable(self) -> bool:
+        return self.ch is not None and self.ch.is_open
+
+    def _publish_fn(self, count: int) -> Callable[..., None]:
+        """Buffer all but the last publish at the channel implementation; BlockingChannel's
+        publish of the last one flushes them to the socket together."""
+        ch = self.ch
+        calls = itertools.count(1)
+
+        def publish(exchange: str, routing_key: str, body: bytes, props: Any,
+                    mandatory: bool = False) -> None:
+            if next(calls) >= count:
+                ch.basic_publish(exchange, routing_key, body, props, mandatory)
+            else:
+                ch._impl.basic_publish(exchange, routing_key, body, props, mandatory)
+
+        return publish
+
+    def _wait(self, pend: _Pending, deadline: float) -> None:
+        """Process I/O until every confirm of ``pend`` arrived or ``deadline`` passed.
+
+        Uses the loop BlockingChannel itself waits for a confirm with (``_flush_output``),
+        plus a timer at the deadline so the poll cannot outlast it. ``process_data_events``
+        would not do: impl-level confirm callbacks are not events it returns on."""
+        conn = self.conn
+        assert conn is not None
+        ioloop = conn._impl.ioloop
+        try:
+            timer = ioloop.call_later(max(0.0, deadline - time.monotonic()), _noop)
+        except ValueError as exc:  # pika closed the loop: the connection dropped mid-send
+            raise pex.StreamLostError("connection lost before confirms arrived") from exc
+        try:
+            conn._flush_output(lambda: pend.left == 0 or time.monotonic() >= deadline)
+        finally:
+            with contextlib.suppress(ValueError):
+                ioloop.remove_timeout(timer)
+
+    def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
+        """Publish and wait for confirms, re-sending across reconnects until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        result = _Pending(len(items))
+        todo = list(range(len(items)))
+        failures = 0
+        with self.lock:
+            while todo and time.monotonic() < deadline:
+                pend = _Pending(len(todo))
+                try:
+                    if self.conn is None or not self.conn.is_open or not self._usable():
+                        self._open()
+                except (*_CONN_ERRORS, pex.AMQPError) as exc:
+                    self._drop(exc)
+                    failures += 1
+                    time.sleep(min(2.0, 0.05 * 2 ** min(failures, 6),
+                                   max(0.0, deadline - time.monotonic())))
+                    continue
+                try:
+                    batch = [items[i] for i in todo]
+                    self.confirms.send(self._publish_fn(len(batch)), batch, pend,
+                                       self._usable)
+                    self._wait(pend, deadline)
+                except (*_CONN_ERRORS, pex.AMQPError) as exc:
+                    self._drop(exc)  # settles everything unconfirmed as lost
+                if pend.left > 0:
+                    break  # out of time with confirms outstanding
+                todo = _merge(result, pend, todo)
+        return result
+
+    def close(self) -> None:
+        with self.lock:
+            conn, self.conn, self.ch = self.conn, None, None
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+
+# ----------------------------------------------------------------------------------------
+# the I/O thread
+
+
+class _Link:
+    """The I/O thread: a pika IOLoop that runs every subscription's own ``SelectConnection``
+    and a lease tick. Everything touching those pika objects runs on this thread; other
+    threads hand it work with ``call``."""
+
+    def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
+        self.params = params
+        self.where = where
+        self.ioloop = IOLoop()
+        self.closing = False
+        self.subs: set[RabbitMQSubscription] = set()
+        self._running = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mqabstract-rabbitmq-io",
+                                        daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float) -> None:
+        self._thread.start()
+        if not self._running.wait(timeout):
+            self.stop()
+            raise ConnectionFailed(f"rabbitmq at {self.where}: the I/O thread did not start "
+                                   f"within {timeout:g}s")
+
+    def _run(self) -> None:
+        self.ioloop.call_later(_TICK, self._tick)
+        self.ioloop.add_callback_threadsafe(self._running.set)
+        try:
+            self.ioloop.start()
+        finally:
+            with contextlib.suppress(Exception):
+                self.ioloop.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the I/O thread (idempotent); subscriptions close their connections first."""
+        if self.closing and not self._thread.is_alive():
+            return
+        self.closing = True
+        if self._thread.is_alive():
+            self.call(self.ioloop.stop)
+            self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread (from any thread)."""
+        self.ioloop.add_callback_threadsafe(fn)
+
+    # -- periodic work ---------------------------------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for sub in list(self.subs):
+            try:
+                sub._io_tick(now)
+            except Exception:
+                log.exception("rabbitmq lease tick failed")
+        if not self.closing:
+            self.ioloop.call_later(_TICK, self._tick)
+
+
+# ----------------------------------------------------------------------------------------
+# blocking admin connection
+
+
+class _Admin:
+    """A BlockingConnection for declarations and queue inspection, one caller at a time."""
+
+    def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
+        self.params = params
+        self.where = where
+        self.lock = threading.RLock()
+        self.conn: pika.BlockingConnection | None = None
+        self._ch: Any = None
+
+    def connect(self) -> None:
+        try:
+            self.conn = pika.BlockingConnection(self.params)
+        except Exception as exc:
+            raise ConnectionFailed(
+                f"cannot connect to RabbitMQ at {self.where}: {redact(_describe(exc))}"
+            ) from exc
+        self._ch = None
+
+    @property
+    def ch(self) -> Any:
+        if self.conn is None or not self.conn.is_open:
+            self.connect()
+        if self._ch is None or not self._ch.is_open:
+            assert self.conn is not None
+            self._ch = self.conn.channel()
+        return self._ch
+
+    def reset_channel(self) -> None:
+        self._ch = None
+
+    def run(self, fn: Callable[[_Admin], Any], what: str) -> Any:
+        with self.lock:
+            for attempt in (1, 2):
+                try:
+                    return fn(self)
+                except pex.ChannelClosedByBroker as exc:
+                    self._ch = None
+                    raise _channel_error(exc, what) from exc
+                except _CONN_ERRORS as exc:
+                    self.close()
+                    if attempt == 2:
+                        raise ConnectionFailed(
+                            f"rabbitmq at {self.where}: {what} failed: {redact(_describe(exc))}"
+                        ) from exc
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        conn, self.conn, self._ch = self.conn, None, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+def _channel_error(exc: pex.ChannelClosedByBroker, what: str) -> MQError:
+    text = redact(f"{what}: ({exc.reply_code}) {exc.reply_text}")
+    if exc.reply_code == 404:
+        return NotFound(text)
+    if exc.reply_code == 406:
+        return InvalidArgument(text)
+    return MQError(f"rabbitmq: {text}")
+

@@ -1,0 +1,794 @@
+"""A RabbitMQ group's consumer side: delivered messages, receipts and the subscription."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pika
+import pika.exceptions as pex
+
+from mqabstract.driver import DriverSubscription
+from mqabstract.errors import (
+    Closed,
+    ConnectionFailed,
+    InvalidArgument,
+    MQError,
+    NotFound,
+)
+from mqabstract.model import Delivery, GroupSpec
+from mqabstract.url import redact
+
+from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Pending
+from .watchdog import _WATCH_GRACE, _WATCH_LIVE, _WATCH_SLACK, _WATCH_STEP, _socket_cut, _Watchdog
+from .wire import H_ATTEMPT, H_DEAD_AT, H_DUE, H_REASON, H_TOPIC, _copy_props, _text
+
+if TYPE_CHECKING:
+    from .driver import RabbitMQDriver
+
+
+log = logging.getLogger("mqabstract.rabbitmq")
+
+_CHANNEL_GEN = itertools.count(1)
+
+# ----------------------------------------------------------------------------------------
+# consumer side
+
+
+class _Raw:
+    """A message as the broker delivered it to our channel, before the user saw it."""
+
+    __slots__ = ("body", "gen", "props", "redelivered", "routing_key", "tag")
+
+    def __init__(self, gen: int, tag: int, redelivered: bool, routing_key: str,
+                 props: Any, body: bytes) -> None:
+        self.gen = gen
+        self.tag = tag
+        self.redelivered = redelivered
+        self.routing_key = routing_key
+        self.props = props
+        self.body = body
+
+    def attempt(self) -> int:
+        headers = self.props.headers or {}
+        base = int(_text(headers.get(H_ATTEMPT, 0))) + 1  # deliveries so far + this one
+        count = headers.get("x-delivery-count")
+        if count is not None:
+            return base + int(count)
+        return base + (1 if self.redelivered else 0)
+
+    def due(self) -> float | None:
+        headers = self.props.headers
+        if headers and H_DUE in headers:
+            return float(_text(headers[H_DUE]))
+        return None
+
+
+class _Receipt:
+    """A leased message: our handle to settle it; stale once ``done`` (settled, expired, or
+    its channel closed and the broker delivers it again)."""
+
+    __slots__ = ("attempt", "deadline", "done", "extended", "raw")
+
+    def __init__(self, raw: _Raw, attempt: int, deadline: float) -> None:
+        self.raw = raw
+        self.attempt = attempt
+        self.deadline = deadline
+        self.done = False
+        self.extended = False
+
+
+
+class RabbitMQSubscription(DriverSubscription):
+    """One consumer on a group queue: a connection and channel of its own (closing it
+    hands back exactly this subscription's messages), a local buffer ordered by priority,
+    driver-kept leases that the lease watchdog backs up when this process freezes. Started
+    lazily on the first ``receive`` and stopped (its unread buffer handed back) when nobody
+    has called ``receive`` for a while, so an idle consumer never sits on messages that
+    another one could take."""
+
+    def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
+        self._driver = driver
+        self._link = driver._link
+        self.spec = spec
+        self.queue = driver._group_queue(spec.name)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._buf: list[tuple[int, int, _Raw]] = []  # (-priority, seq, raw)
+        self._seq = itertools.count()
+        self._leases: deque[_Receipt] = deque()
+        self._extended: list[tuple[float, int, _Receipt]] = []
+        self._acks: list[tuple[int, int]] = []
+        self._want = False  # a consumer should be running
+        self._conn: Any = None  # this subscription's SelectConnection, when there is one
+        self._failures = 0
+        self._retry: Any = None  # reconnect timer
+        self._close_done: threading.Event | None = None
+        self._lost_why = ""
+        self._ch: Any = None
+        self._ch_gen = 0
+        self._ctag: str | None = None
+        self._cancelling = False
+        self._closed = False
+        self._receiving = 0
+        self._last_receive = time.monotonic()
+        self._idle = min(1.0, max(0.2, spec.lease / 2))
+        self._error: MQError | None = None
+        # Copies of delivered messages whose original is not yet acked: while there are
+        # any, the watchdog must not cut the connection (the broker would redeliver the
+        # original with the same attempt as its copy).
+        self._inflight = 0
+        self._dog: _Watchdog | None = None
+        self._dog_key: str | None = None
+        self._dog_sent = math.nan  # the last release time reported to the watchdog
+        self._sock: Any = None  # the watched socket
+        self._cut_sock: Any = None  # a socket found cut, until its connection is replaced
+        self._cut_gen = 0  # deliveries of channels up to this one are gone
+        self._risk = math.nan  # until when the watchdog may (have) cut our socket
+        self._pub_ch: Any = None  # confirm channel for the copies, on our own connection
+        self._confirms = _Confirms()
+        self._link.subs.add(self)
+
+    # -- the watchdog (any thread; the ``_locked`` ones with self._lock held) --------------
+    def _due_locked(self, now: float) -> tuple[float, bool]:
+        """When this subscription would release something by itself if it were running, and
+        whether that is a lease deadline: its earliest lease deadline; while it consumes (or
+        buffers) holding no lease, now + _WATCH_LIVE; never while a copy of a delivered
+        message is in flight."""
+        if self._inflight > 0:
+            return math.inf, False
+        leases = self._leases
+        while leases and (leases[0].done or leases[0].extended):
+            leases.popleft()
+        ext = self._extended
+        while ext and (ext[0][2].done or ext[0][2].deadline != ext[0][0]):
+            heapq.heappop(ext)
+        due = leases[0].deadline if leases else math.inf
+        if ext:
+            due = min(due, ext[0][0])
+        if due < math.inf:
+            return due, True
+        if self._want or self._buf or self._receiving:
+            return now + _WATCH_LIVE, False
+        return math.inf, False
+
+    def _note_risk_locked(self, now: float) -> None:
+        """Remember it when the reported release time + grace is (nearly) reached: the
+        watchdog may cut the socket then, whatever we report next."""
+        if self._dog_key is not None and now >= self._dog_sent + _WATCH_GRACE - _WATCH_STEP:
+            until = self._dog_sent + _WATCH_GRACE + _WATCH_SLACK
+            if not until <= self._risk:  # (also when _risk is nan)
+                self._risk = until
+
+    def _report_locked(self, now: float) -> None:
+        dog, key = self._dog, self._dog_key
+        if dog is None or key is None:
+            return
+        due, lease = self._due_locked(now)
+        sent = self._dog_sent
+        if due == sent or sent < due < sent + _WATCH_STEP:
+            return  # a little later than reported: still after every deadline it guards
+        if due < sent < math.inf and not lease:
+            # Earlier, but not a lease deadline: the buffer of a consumer that holds no lease
+            # may wait for the reported time (no later than a lease it just held). Saves two
+            # reports per receive batch (a context switch each).
+            return
+        self._note_risk_locked(now)
+        if dog.send(f"D {key} {due!r}"):
+            self._dog_sent = due
+
+    def _sync_locked(self) -> None:
+        """Before handing out or settling anything: if the watchdog may have cut our socket
+        (this process was frozen past a reported release time + grace), check the socket;
+        if it was cut, drop what came on it now (pika may run other callbacks before it
+        reads the closed socket), so nothing the broker took back is handed out again."""
+        now = time.monotonic()
+        self._note_risk_locked(now)
+        if self._risk != self._risk:  # nan: no risk
+            return
+        if self._sock is not None and _socket_cut(self._sock):
+            log.warning("rabbitmq consumer of group %r was frozen past its lease deadline: "
+                        "the watchdog handed its messages back to the broker", self.spec.name)
+            self._lost_why = "frozen past the lease deadline; the watchdog closed it"
+            self._cut_sock = self._sock
+            self._cut_gen = self._ch_gen
+            self._dog = self._dog_key = None
+            self._dog_sent = self._risk = math.nan
+            self._forget_locked()
+        elif now > self._risk:
+            self._risk = math.nan
+
+    def _io_watch(self) -> None:
+        """(I/O thread) give the watchdog this connection's socket (again after a restart)."""
+        conn = self._conn
+        sock = getattr(getattr(conn, "_transport", None), "_sock", None)
+        if conn is None or not conn.is_open or sock is None:
+            return
+        dog = _Watchdog.get()
+        if dog is None:
+            return
+        key = str(next(_Watchdog.keys))
+        with self._lock:
+            if sock is self._cut_sock:
+                return
+            due = self._due_locked(time.monotonic())[0]
+            if dog.send(f"W {key} {due!r}", sock.fileno()):
+                self._dog, self._dog_key, self._dog_sent = dog, key, due
+                self._sock, self._risk = sock, math.nan
+
+    def _io_unwatch(self) -> None:
+        with self._lock:
+            dog, key = self._dog, self._dog_key
+            self._dog = self._dog_key = None
+            self._sock = self._cut_sock = None
+            self._dog_sent = self._risk = math.nan
+        if dog is not None and key is not None:
+            dog.send(f"X {key}")
+
+    def _release_done(self, count: int) -> None:
+        with self._cond:
+            self._inflight -= count
+            self._report_locked(time.monotonic())
+            self._cond.notify_all()
+
+    # -- I/O thread ------------------------------------------------------------------------
+    def _io_start(self) -> None:
+        if self._closed:
+            return
+        self._want = True
+        if self._cancelling:
+            return  # restarted when the cancel completes
+        conn = self._conn
+        if conn is None:
+            if self._retry is None:
+                self._io_connect()
+            return
+        if not conn.is_open:
+            return  # _io_conn_open continues
+        if self._ch is None:
+            self._ch = "opening"
+            conn.channel(on_open_callback=self._io_channel_open)
+        elif self._ch != "opening" and self._ctag is None:
+            self._io_consume()
+
+    def _io_connect(self) -> None:
+        self._retry = None
+        if self._closed or self._link.closing or self._conn is not None:
+            return
+        params = self._link.params[self._failures % len(self._link.params)]
+        try:
+            self._conn = pika.SelectConnection(
+                params,
+                on_open_callback=self._io_conn_open,
+                on_open_error_callback=self._io_conn_failed,
+                on_close_callback=self._io_conn_closed,
+                custom_ioloop=self._link.ioloop,
+            )
+        except Exception as exc:
+            self._lost_why = redact(_describe(exc))
+            self._io_reconnect_later()
+
+    def _io_reconnect_later(self) -> None:
+        if self._closed or self._link.closing:
+            return
+        self._failures += 1
+        pause = min(5.0, 0.1 * 2 ** min(self._failures, 6))
+        self._retry = self._link.ioloop.call_later(pause, self._io_reconnect)
+
+    def _io_reconnect(self) -> None:
+        self._retry = None
+        if self._want and not self._closed:
+            self._io_connect()
+
+    def _io_conn_open(self, conn: Any) -> None:
+        if conn is not self._conn:
+            return
+        self._failures = 0
+        if self._closed:
+            with contextlib.suppress(Exception):
+                conn.close()
+            return
+        self._io_watch()
+        # Copies go out on this connection, so a copy whose original cannot be acked (the
+        # connection died) was not sent either.
+        conn.channel(on_open_callback=self._io_pub_open)
+        if self._want:
+            self._io_start()
+
+    def _io_pub_open(self, ch: Any) -> None:
+        if self._closed or self._conn is None or not self._conn.is_open:
+            with contextlib.suppress(Exception):
+                ch.close()
+            return
+        ch.add_on_close_callback(self._io_pub_closed)
+        self._confirms.reset()
+        ch.add_on_return_callback(self._confirms.on_return)
+        ch.confirm_delivery(self._confirms.on_confirm,
+                            callback=lambda _frame: setattr(self, "_pub_ch", ch))
+
+    def _io_pub_closed(self, ch: Any, reason: BaseException) -> None:
+        if self._pub_ch is ch or self._pub_ch is None:
+            self._pub_ch = None
+            self._confirms.reset()
+        conn = self._conn
+        if not self._closed and conn is not None and conn.is_open:
+            log.warning("rabbitmq copy channel closed (%s); reopening",
+                        redact(_describe(reason)))
+            conn.channel(on_open_callback=self._io_pub_open)
+
+    def _io_send(self, items: Sequence[_Item], pend: _Pending) -> None:
+        """Publish ``items`` on our confirm channel; ``pend`` learns each one's fate."""
+        ch = self._pub_ch
+        self._confirms.send(
+            ch.basic_publish if ch is not None else None, items, pend,
+            lambda: self._pub_ch is ch and ch is not None and ch.is_open,
+        )
+
+    def _io_conn_failed(self, conn: Any, err: BaseException) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        self._lost_why = redact(_describe(err))
+        log.warning("rabbitmq consumer of group %r cannot connect to %s (%s); retrying",
+                    self.spec.name, self._link.where, self._lost_why)
+        self._io_reconnect_later()
+
+    def _io_conn_closed(self, conn: Any, reason: BaseException) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        self._lost_why = redact(_describe(reason))
+        self._io_lost()
+        self._io_unwatch()
+        if self._closed:
+            if self._close_done is not None:
+                self._close_done.set()
+            return
+        log.warning("rabbitmq consumer connection of group %r to %s lost (%s); reconnecting",
+                    self.spec.name, self._link.where, self._lost_why)
+        self._io_reconnect_later()
+
+    def _io_channel_open(self, ch: Any) -> None:
+        if self._closed:
+            ch.close()
+            return
+        self._ch = ch
+        self._ch_gen = next(_CHANNEL_GEN)
+        ch.add_on_close_callback(self._io_channel_closed)
+        ch.basic_qos(prefetch_count=self._driver._prefetch)
+        if self._want:
+            self._io_consume()
+
+    def _io_consume(self) -> None:
+        ch = self._ch
+        gen = self._ch_gen
+
+        def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            raw = _Raw(gen, method.delivery_tag, method.redelivered, method.routing_key,
+                       props, body)
+            with self._cond:
+                if gen <= self._cut_gen:
+                    return  # read after the watchdog cut the socket: the broker has it
+                heapq.heappush(self._buf, (-(props.priority or 0), next(self._seq), raw))
+                self._cond.notify()
+
+        self._ctag = ch.basic_consume(self.queue, on_message)
+
+    def _io_channel_closed(self, ch: Any, reason: BaseException) -> None:
+        if ch is not self._ch:
+            return
+        self._ch = None
+        self._ctag = None
+        self._cancelling = False
+        self._lost_why = redact(_describe(reason))
+        self._io_forget()
+        if self._closed:
+            return
+        code = getattr(reason, "reply_code", 0)
+        if code == 404:
+            self._set_error(NotFound(f"group {self.spec.name!r} does not exist (its queue "
+                                     "was deleted)"))
+        elif code not in (0, 200, 320) and self._want:
+            log.warning("rabbitmq consumer channel closed: %s", self._lost_why)
+            self._link.ioloop.call_later(0.5, self._io_start)
+
+    def _io_lost(self) -> None:
+        self._ch = None
+        self._ctag = None
+        self._cancelling = False
+        self._pub_ch = None
+        self._confirms.reset()
+        self._io_forget()
+
+    def _io_forget(self) -> None:
+        with self._cond:
+            self._forget_locked()
+
+    def _forget_locked(self) -> None:
+        """The channel is gone: the broker redelivers everything it had given us, so the
+        receipts are stale (settling one is a no-op, as after a lease expiry)."""
+        self._buf.clear()
+        for receipt in self._leases:
+            receipt.done = True
+        for _deadline, _seq, receipt in self._extended:
+            receipt.done = True
+        self._leases.clear()
+        self._extended.clear()
+        self._acks.clear()
+        self._report_locked(time.monotonic())
+        self._cond.notify_all()
+
+    def _set_error(self, err: MQError) -> None:
+        with self._cond:
+            self._error = err
+            self._cond.notify_all()
+
+    def _usable_ch(self) -> Any:
+        ch = self._ch
+        conn = self._conn
+        if (ch is None or ch == "opening" or not ch.is_open or conn is None
+                or not conn.is_open):
+            return None
+        return ch
+
+    def _io_flush_acks(self) -> None:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        ch = self._usable_ch()
+        if ch is None:
+            return
+        gen = self._ch_gen
+        try:
+            for tag in sorted(tag for g, tag in acks if g == gen):
+                ch.basic_ack(tag)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: redelivered anyway
+            log.debug("rabbitmq: acks not sent: %s", exc)
+
+    def _io_ack_raw(self, raws: Sequence[_Raw]) -> None:
+        ch = self._usable_ch()
+        if ch is None:
+            return
+        try:
+            for raw in raws:
+                if raw.gen == self._ch_gen:
+                    ch.basic_ack(raw.tag)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:
+            log.debug("rabbitmq: acks not sent: %s", exc)
+
+    def _io_requeue_raw(self, raws: Sequence[_Raw]) -> None:
+        ch = self._usable_ch()
+        if ch is None:
+            return
+        try:
+            for raw in raws:
+                if raw.gen == self._ch_gen:
+                    ch.basic_nack(raw.tag, requeue=True)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:
+            log.debug("rabbitmq: requeue not sent: %s", exc)
+
+    def _io_copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
+                          then: Callable[[], None] | None = None) -> None:
+        """Publish each copy; ack its original once confirmed (requeue it if refused)."""
+        if not copies:
+            if then is not None:
+                then()
+            return
+
+        def done(pend: _Pending) -> None:
+            try:
+                good = set(pend.acked) | set(pend.returned)
+                self._io_ack_raw([copies[j][0] for j in sorted(good)])
+                self._io_requeue_raw([copies[j][0] for j in range(len(copies))
+                                      if j not in good])
+            finally:
+                if then is not None:
+                    then()
+
+        self._io_send([c[1] for c in copies], _Pending(len(copies), done))
+
+    def _io_tick(self, now: float) -> None:
+        expired: list[_Receipt] = []
+        with self._lock:
+            leases = self._leases
+            while leases and (leases[0].done or leases[0].extended
+                              or leases[0].deadline <= now):
+                receipt = leases.popleft()
+                if not receipt.done and not receipt.extended:
+                    receipt.done = True
+                    expired.append(receipt)
+            ext = self._extended
+            while ext and (ext[0][2].done or ext[0][0] <= now):
+                deadline, _, receipt = heapq.heappop(ext)
+                if not receipt.done and receipt.deadline == deadline:
+                    receipt.done = True
+                    expired.append(receipt)
+            idle = (self._ctag is not None and not self._cancelling and self._receiving == 0
+                    and now - self._last_receive > self._idle)
+            self._inflight += len(expired)
+            self._report_locked(now)
+            watch = self._dog is None or not self._dog.alive
+        if watch and self._conn is not None and self._conn.is_open:
+            self._io_watch()
+        if expired:
+            self._io_copy_then_ack(
+                [(r.raw, self._driver._retry_item(r.raw, self.queue, r.attempt + 1, 0.0))
+                 for r in expired],
+                lambda: self._release_done(len(expired)),
+            )
+        if idle:
+            self._io_pause()
+
+    def _io_pause(self, then: Callable[[], None] | None = None) -> None:
+        """Stop consuming and hand the unread buffer back to the queue."""
+        ch, ctag = self._ch, self._ctag
+        self._want = False
+        if ch is None or ch == "opening" or ctag is None or not ch.is_open:
+            if then is not None:
+                then()
+            return
+        self._cancelling = True
+
+        def cancelled(_frame: Any) -> None:
+            self._ctag = None
+            self._cancelling = False
+            with self._lock:
+                buf, self._buf = self._buf, []
+            raws = [raw for _, _, raw in sorted(buf) if raw.gen == self._ch_gen]
+
+            def after() -> None:
+                if self._want and not self._closed:
+                    self._io_start()
+                if then is not None:
+                    then()
+
+            self._io_copy_then_ack(
+                [(raw, self._driver._retry_item(raw, self.queue, raw.attempt(), None))
+                 for raw in raws],
+                after,
+            )
+
+        ch.basic_cancel(ctag, callback=cancelled)
+
+    def _io_close(self, done: threading.Event) -> None:
+        def finish() -> None:
+            self._io_flush_acks()
+            self._want = False
+            self._link.subs.discard(self)
+            self._io_unwatch()
+            if self._retry is not None:
+                with contextlib.suppress(Exception):
+                    self._link.ioloop.remove_timeout(self._retry)
+                self._retry = None
+            conn = self._conn
+            if conn is not None and (conn.is_open or conn.is_opening):
+                self._close_done = done
+                try:
+                    conn.close()  # pending acks go out first; _io_conn_closed sets done
+                    return
+                except Exception as exc:
+                    log.debug("rabbitmq: closing a consumer connection: %s", exc)
+            done.set()
+
+        if self._cancelling:
+            self._link.ioloop.call_later(0.05, lambda: self._io_close(done))
+            return
+        self._io_pause(finish)
+
+    # -- caller threads --------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise Closed(f"subscription to group {self.spec.name!r} is closed")
+        if self._error is not None:
+            raise self._error
+        self._driver._check()
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        self._check()
+        # The lease starts with this call (the portable layer's deadline is no later).
+        started = time.monotonic()
+        lease_until = started + self.spec.lease
+        if not self._want or self._ch is None:
+            self._want = True
+            self._link.call(self._io_start)
+        deadline = started + timeout
+        out: list[Delivery] = []
+        while True:
+            again: list[tuple[_Raw, float | None]] = []
+            with self._cond:
+                self._receiving += 1
+                try:
+                    self._sync_locked()
+                    while not self._buf and self._error is None and not self._closed:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    if self._error is not None:
+                        raise self._error
+                    if self._buf:
+                        self._sync_locked()
+                        # Hand nothing out while a copy is in flight (the watchdog is
+                        # held off then): a holder frozen right after this receive must
+                        # be cut at its lease deadline. One round trip, rarely.
+                        settled = time.monotonic() + 1.0
+                        while self._inflight > 0 and not self._closed:
+                            left = settled - time.monotonic()
+                            if left <= 0:
+                                break
+                            self._cond.wait(left)
+                    now = time.time()
+                    while self._buf and len(out) < max_messages:
+                        raw = heapq.heappop(self._buf)[2]
+                        if raw.gen != self._ch_gen or raw.gen <= self._cut_gen:
+                            continue  # from a channel that is gone: it comes back anyway
+                        due = raw.due()
+                        if due is not None and due > now:
+                            again.append((raw, due))
+                            continue
+                        headers = raw.props.headers or {}
+                        if raw.redelivered and "x-delivery-count" not in headers:
+                            # A classic queue redelivered it (its consumer's channel died)
+                            # and only says "at least once more": re-send it with that
+                            # attempt written down first, so the next redelivery counts
+                            # on from there instead of repeating this attempt.
+                            again.append((raw, None))
+                            continue
+                        attempt = raw.attempt()
+                        receipt = _Receipt(raw, attempt, lease_until)
+                        self._leases.append(receipt)
+                        out.append(self._driver._delivery(raw, attempt, receipt))
+                    self._inflight += len(again)
+                    if out or again:
+                        self._report_locked(time.monotonic())
+                finally:
+                    self._receiving -= 1
+                    self._last_receive = time.monotonic()
+            if again:
+                self._recopy(again)
+            if out or self._closed or deadline - time.monotonic() <= 0:
+                return out
+
+    def _recopy(self, items: list[tuple[_Raw, float | None]]) -> None:
+        """Send messages back to the queue instead of delivering them: early ones (out of
+        their wait tier too soon) to the next tier, classic redeliveries with their
+        attempt written down."""
+        copies = []
+        try:
+            for raw, due in items:
+                copies.append((raw, self._driver._retry_item(raw, self.queue, raw.attempt(),
+                                                             due)))
+        finally:
+            count = len(items)
+            self._link.call(lambda: self._io_copy_then_ack(
+                copies, lambda: self._release_done(count)))
+
+    def _take(self, receipt: Any) -> _Receipt | None:
+        """Mark a receipt settled; None when it is stale (its lease expired)."""
+        if not isinstance(receipt, _Receipt):
+            raise InvalidArgument("not a receipt of this backend")
+        with self._lock:
+            self._sync_locked()
+            if receipt.done:
+                return None
+            receipt.done = True
+            self._inflight += 1
+            self._report_locked(time.monotonic())
+            return receipt
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        self._check()
+        with self._lock:
+            self._sync_locked()
+            first = not self._acks
+            for receipt in receipts:
+                if isinstance(receipt, _Receipt) and not receipt.done:
+                    receipt.done = True
+                    self._acks.append((receipt.raw.gen, receipt.raw.tag))
+            schedule = first and bool(self._acks)
+            self._report_locked(time.monotonic())
+        if schedule:
+            self._link.call(self._io_flush_acks)
+
+    def _settle_by_copy(self, receipt: _Receipt, item: _Item, returned_ok: bool) -> _Pending:
+        """Publish ``item`` for a taken receipt; once it is confirmed (or returned, if
+        ``returned_ok``) ack the original. Ends the in-flight count ``_take`` started (on the
+        I/O thread once the ack is written)."""
+        raw = receipt.raw
+        try:
+            pend = self._driver._pub.publish([item], self._driver._publish_timeout)
+        except BaseException:
+            self._release_done(1)
+            raise
+        if pend.acked or (returned_ok and pend.returned):
+
+            def ack_original() -> None:
+                try:
+                    self._io_ack_raw([raw])
+                finally:
+                    self._release_done(1)
+
+            self._link.call(ack_original)
+            return pend
+        self._release_done(1)
+        return pend
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        self._check()
+        taken = self._take(receipt)
+        if taken is None:
+            return
+        due = time.time() + delay if delay > 0 else None
+        try:
+            item = self._driver._retry_item(taken.raw, self.queue, taken.attempt + 1, due)
+        except BaseException:
+            self._release_done(1)
+            raise
+        # returned: the group queue is gone, nothing to keep
+        pend = self._settle_by_copy(taken, item, returned_ok=True)
+        if pend.acked or pend.returned:
+            return
+        if pend.failed:
+            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
+        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: not confirmed in time "
+                               f"({self._driver._pub.last_error or 'connection lost'})")
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        self._check()
+        if not isinstance(receipt, _Receipt):
+            raise InvalidArgument("not a receipt of this backend")
+        with self._lock:
+            self._sync_locked()
+            if receipt.done:
+                return
+            receipt.extended = True
+            receipt.deadline = time.monotonic() + seconds
+            heapq.heappush(self._extended, (receipt.deadline, next(self._seq), receipt))
+            self._report_locked(time.monotonic())
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        self._check()
+        taken = self._take(receipt)
+        if taken is None:
+            return
+        raw = taken.raw
+        try:
+            props = _copy_props(
+                raw.props,
+                **{H_TOPIC: self._driver._topic_of(raw), H_REASON: reason,
+                   H_ATTEMPT: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
+            )
+            item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
+        except BaseException:
+            self._release_done(1)
+            raise
+        pend = self._settle_by_copy(taken, item, returned_ok=False)
+        if pend.returned:
+            raise NotFound(f"dead-letter queue of group {self.spec.name!r} is missing")
+        if pend.acked:
+            return
+        if pend.failed:
+            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
+        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not confirmed "
+                               f"({self._driver._pub.last_error or 'connection lost'})")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._cond.notify_all()
+        done = threading.Event()
+        if self._link._thread.is_alive() and not self._link.closing:
+            self._link.call(lambda: self._io_close(done))
+            done.wait(self._driver._publish_timeout)
+        self._link.subs.discard(self)
+
+
