@@ -15,8 +15,10 @@ from typing import Any, ClassVar
 import pika
 import pika.exceptions as pex
 
+from mqabstract import wire
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.emulation import dead_letter_from, pick, replay_headers
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
@@ -24,7 +26,7 @@ from mqabstract.errors import (
     MQError,
     PublishError,
 )
-from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
+from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 
@@ -35,16 +37,16 @@ from .wire import (
     _BROKER_HEADERS,
     CONTENT_TYPE,
     H_ATTEMPT,
-    H_DEAD_AT,
     H_DUE,
     H_KEY,
     H_PUBLISHED,
-    H_REASON,
     H_TOPIC,
+    TIERS,
     _copy_props,
+    _own_headers,
+    _props_with,
     _queue_name,
     _text,
-    _tier_for,
 )
 
 log = logging.getLogger("mqabstract.rabbitmq")
@@ -107,7 +109,18 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities
 
 
 class RabbitMQDriver(Driver):
-    """RabbitMQ through pika: topic exchange, a queue per group, emulated leases/delays."""
+    """RabbitMQ through pika: topic exchange, a queue per group, emulated leases/delays.
+
+    Concurrency: every public method may be called from any application thread. ``publish``
+    runs on the caller's thread through ``_Publisher`` (one publisher at a time, under its
+    lock); declarations, stats and dead-letter work through ``_Admin`` (one at a time, under
+    its lock); consumers live on the ``_Link`` I/O thread. Retries: ``_Publisher`` re-sends
+    what was not confirmed across reconnects until ``publish_timeout``, and ``_Admin`` runs an
+    operation a second time after a lost connection; nothing else is retried here. A message
+    the broker refused (basic.nack) or returned is never re-sent (except a publish whose wait
+    tier vanished: the tier is declared again and that message re-sent once), and a replay
+    that moved only some dead letters reports it instead of repeating the copies.
+    """
 
     name: ClassVar[str] = "rabbitmq"
 
@@ -312,7 +325,7 @@ class RabbitMQDriver(Driver):
         if due is not None:
             left = due - time.time()
             if left > 0:
-                tier = self._ensure_tier("q", _tier_for(left))
+                tier = self._ensure_tier("q", TIERS.tier_for(left))
                 return _Item(tier, queue, raw.body, props, True)
         return _Item("", queue, raw.body, props, True)
 
@@ -349,7 +362,7 @@ class RabbitMQDriver(Driver):
             if due is None:
                 items.append(_Item(self._exchange, env.topic, env.body, props))
             else:
-                tier = self._ensure_tier("t", _tier_for(due - now))
+                tier = self._ensure_tier("t", TIERS.tier_for(due - now))
                 items.append(_Item(tier, env.topic, env.body, props, True))
         return items
 
@@ -433,28 +446,16 @@ class RabbitMQDriver(Driver):
         return got
 
     def _dead_letter(self, props: Any, body: bytes, routing_key: str) -> DeadLetter:
-        headers = {k: v for k, v in (props.headers or {}).items()}
-        user = {}
-        for name, value in headers.items():
-            if not name.startswith("mq-") and name not in _BROKER_HEADERS:
-                user[name] = _text(value)
+        # The id is the AMQP message id: an ``mq-id`` header (never written by this driver)
+        # must not override it, so it is left out before decoding. The content type is a
+        # property here and a header for the user.
+        headers = {k: v for k, v in (props.headers or {}).items() if k != wire.ID}
         if props.content_type:
-            user[CONTENT_TYPE] = props.content_type
-        published = headers.get(H_PUBLISHED)
-        dead_at = headers.get(H_DEAD_AT)
-        return DeadLetter(
-            id=props.message_id or "",
-            topic=_text(headers.get(H_TOPIC, routing_key)),
-            body=body,
-            headers=user,
-            key=_text(headers[H_KEY]) if H_KEY in headers else None,
-            priority=props.priority or 0,
-            published_at=utc(float(_text(published)) if published is not None
-                             else float(props.timestamp or 0)),
-            attempts=int(_text(headers.get(H_ATTEMPT, 0))),
-            reason=_text(headers.get(H_REASON, "")),
-            dead_lettered_at=utc(float(_text(dead_at))) if dead_at is not None else None,
-        )
+            headers[CONTENT_TYPE] = props.content_type
+        return dead_letter_from(headers, body, id=props.message_id or "", topic=routing_key,
+                                priority=props.priority or 0,
+                                published_at=float(props.timestamp or 0),
+                                skip=_BROKER_HEADERS)
 
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         self._check()
@@ -474,11 +475,10 @@ class RabbitMQDriver(Driver):
         def run(a: _Admin) -> int:
             a.ch.queue_declare(queue, passive=True)
             got = self._drain_dead(a, group, None)
-            picked = [g for g in got if ids is None or g[1].message_id in ids]
+            picked = pick(got, ids, lambda g: g[1].message_id)
             items = []
             for _m, props, body in picked:
-                fresh = _copy_props(props, **{H_ATTEMPT: None, H_REASON: None,
-                                              H_DEAD_AT: None, H_DUE: None})
+                fresh = _props_with(props, replay_headers(_own_headers(props)))
                 items.append(_Item("", queue, body, fresh, True))
             pend = self._pub.publish(items, self._publish_timeout) if items else None
             moved = set(pend.acked) if pend is not None else set()

@@ -61,7 +61,10 @@ class _Item:
 
 
 class _Pending:
-    """Confirmation state of one group of publishes; ``done`` runs once all are settled."""
+    """Confirmation state of one group of publishes; ``done`` runs once all are settled.
+
+    Settled by whichever thread reads the confirms (a publisher's caller or the I/O
+    thread), under its own lock; waiters use ``event``."""
 
     __slots__ = ("acked", "event", "failed", "left", "lock", "lost", "on_done", "returned")
 
@@ -103,7 +106,11 @@ class _Pending:
 
 class _Confirms:
     """Publisher-confirm bookkeeping for one confirm-mode channel: delivery tag → (pending,
-    index), and basic.return matching for publishes where "unroutable" is a failure."""
+    index), and basic.return matching for publishes where "unroutable" is a failure.
+
+    Not thread-safe: used only by the thread that owns the channel (the ``_Publisher``
+    lock holder, or the I/O thread for a subscription's copy channel). It never re-sends:
+    on a new channel whatever was unconfirmed is settled "lost" for the caller to decide."""
 
     def __init__(self) -> None:
         self.out: OrderedDict[int, tuple[_Pending, int, tuple[str, str, str] | None]] = (
@@ -208,7 +215,9 @@ class _Publisher:
     publish costs what raw pika's does (no hop to the I/O thread). Confirms are pipelined:
     confirm mode is switched on at the pika channel implementation (``_impl``), so
     BlockingChannel does not wait per message; acks arrive through ``process_data_events``.
-    One caller at a time; a lost connection is re-opened and the unconfirmed re-sent."""
+    One caller at a time (``lock``, held for the whole publish); a lost connection is
+    re-opened and the unconfirmed re-sent until the timeout. Refused (basic.nack) and
+    returned messages are reported, never re-sent here."""
 
     def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
         self.params = params
@@ -390,7 +399,9 @@ class _Link:
 
 
 class _Admin:
-    """A BlockingConnection for declarations and queue inspection, one caller at a time."""
+    """A BlockingConnection for declarations and queue inspection, one caller at a time
+    (``lock``, from application threads). ``run`` runs an operation a second time only after
+    the connection was lost; a broker error (channel closed) is translated, never retried."""
 
     def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
         self.params = params

@@ -17,6 +17,7 @@ import pika
 import pika.exceptions as pex
 
 from mqabstract.driver import DriverSubscription
+from mqabstract.emulation import dead_headers
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
@@ -29,7 +30,7 @@ from mqabstract.url import redact
 
 from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Pending
 from .watchdog import _WATCH_GRACE, _WATCH_LIVE, _WATCH_SLACK, _WATCH_STEP, _socket_cut, _Watchdog
-from .wire import H_ATTEMPT, H_DEAD_AT, H_DUE, H_REASON, H_TOPIC, _copy_props, _text
+from .wire import H_ATTEMPT, H_DUE, H_TOPIC, _copy_props, _text
 
 if TYPE_CHECKING:
     from .driver import RabbitMQDriver
@@ -93,7 +94,18 @@ class RabbitMQSubscription(DriverSubscription):
     driver-kept leases that the lease watchdog backs up when this process freezes. Started
     lazily on the first ``receive`` and stopped (its unread buffer handed back) when nobody
     has called ``receive`` for a while, so an idle consumer never sits on messages that
-    another one could take."""
+    another one could take.
+
+    Concurrency: ``receive``, ``ack``, ``nack``, ``extend``, ``dead_letter`` and ``close``
+    run on application threads and share state with the I/O thread under ``_lock`` (the
+    ``_locked`` methods expect it held); the ``_io_*`` methods and ``_io_tick`` run on the
+    ``_Link`` I/O thread only, and application threads reach the pika objects through
+    ``_link.call``. Watchdog reports go out under ``_lock``. Never retried: a settle of a
+    stale receipt (expired, or its channel gone) is a no-op, and a nack or dead-letter copy
+    that was not confirmed raises instead of being sent again (its original stays unacked
+    until this channel closes and the broker delivers it again); an expiry or buffer copy
+    that is not confirmed requeues its original.
+    """
 
     def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
         self._driver = driver
@@ -762,8 +774,8 @@ class RabbitMQSubscription(DriverSubscription):
         try:
             props = _copy_props(
                 raw.props,
-                **{H_TOPIC: self._driver._topic_of(raw), H_REASON: reason,
-                   H_ATTEMPT: str(attempts), H_DEAD_AT: repr(time.time()), H_DUE: None},
+                **{H_TOPIC: self._driver._topic_of(raw),
+                   **dead_headers(reason, attempts, time.time()), H_DUE: None},
             )
             item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
         except BaseException:

@@ -10,6 +10,7 @@ from typing import Any
 import pika
 
 from mqabstract import wire
+from mqabstract.emulation import Tiers
 
 # Delay tiers in milliseconds: a message waits in the largest tier not longer than what is
 # left of its delay (the smallest tier when less is left), then is re-tiered if still early.
@@ -18,6 +19,7 @@ TIERS_MS = (
     300_000, 600_000, 1_800_000, 3_600_000, 7_200_000, 21_600_000, 43_200_000, 86_400_000,
     259_200_000, 604_800_000, 2_592_000_000,
 )
+TIERS = Tiers(TIERS_MS)
 # Headers RabbitMQ adds; never shown to users and stripped from our copies.
 _BROKER_HEADERS = frozenset({
     "x-death", "x-delivery-count", "x-first-death-exchange", "x-first-death-queue",
@@ -33,24 +35,16 @@ _MAX_NAME = 255  # AMQP short string
 
 
 def _queue_name(*parts: str) -> str:
-    """Join name parts; hash the tail when longer than AMQP's 255-byte limit."""
+    """Join name parts; hash the tail when longer than AMQP's 255-byte limit.
+
+    Not ``emulation.fit_name``: this keeps the first 221 *characters* (not bytes) of a name
+    over 255 bytes, and existing queues carry those names; fit_name cuts bytes and fits a
+    255-byte name into ``limit`` only when ``limit`` is 255, where it keeps 222 bytes."""
     name = ".".join(parts)
     if len(name.encode()) <= _MAX_NAME:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:32]
     return name[: _MAX_NAME - 34] + "~" + digest
-
-
-def _tier_for(seconds: float) -> int:
-    """The largest tier (ms) not longer than ``seconds`` (the smallest if none is)."""
-    ms = seconds * 1000.0
-    best = TIERS_MS[0]
-    for tier in TIERS_MS:
-        if tier <= ms:
-            best = tier
-        else:
-            break
-    return best
 
 
 def _text(value: Any) -> str:
@@ -59,22 +53,30 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _own_headers(props: Any) -> dict[str, Any]:
+    """The message's headers without those the broker added."""
+    return {k: v for k, v in (props.headers or {}).items() if k not in _BROKER_HEADERS}
+
+
 def _copy_props(props: Any, **headers: str | None) -> pika.BasicProperties:
     """The message's properties for a copy: broker headers stripped, ``headers`` applied
     (None removes one)."""
-    new = dict(props.headers or {})
-    for name in _BROKER_HEADERS:
-        new.pop(name, None)
+    new = _own_headers(props)
     for name, value in headers.items():
         name = name.replace("_", "-")
         if value is None:
             new.pop(name, None)
         else:
             new[name] = value
+    return _props_with(props, new)
+
+
+def _props_with(props: Any, headers: dict[str, Any]) -> pika.BasicProperties:
+    """A persistent copy of ``props`` with ``headers`` (a message id pinned if it had none)."""
     return pika.BasicProperties(
         content_type=props.content_type,
         content_encoding=props.content_encoding,
-        headers=new,
+        headers=headers,
         delivery_mode=2,
         priority=props.priority,
         correlation_id=props.correlation_id,
