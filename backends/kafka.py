@@ -1764,12 +1764,14 @@ class KafkaSubscription(DriverSubscription):
             budget = min(max(self.spec.lease / 4, 0.25), self.d.opts["request_timeout_ms"] / 1000)
             try:
                 self._fence(budget, force={rec.tp for _, rec in picked})
-                if time.monotonic() - started > self.spec.lease / 2:
-                    # Frozen (or stalled) between the fence and here: the lease, counted
-                    # by the portable layer from the call, is (nearly) over and the
-                    # partition may have a new owner already. Hand nothing out: the
-                    # records are covered by the mark just committed (attempt + 1 later).
-                    raise LeaseExpired("the receive call outlived half the lease")
+                if time.monotonic() - started > self.spec.lease * 3 / 4:
+                    # Frozen (or stalled) before or after the fence: the lease, counted by
+                    # the portable layer from the call, is (nearly) over and the partition
+                    # may have a new owner already. Hand nothing out (the records are
+                    # covered by the mark just committed: attempt + 1 when delivered);
+                    # the portable layer's next call starts a lease of its own.
+                    deadline = 0.0
+                    raise LeaseExpired("the receive call outlived 3/4 of the lease")
             except MQError as exc:
                 log.info("kafka: %d records of %s not handed out: %s", len(picked),
                          self.spec.name, redact(str(exc))[:300])
