@@ -855,7 +855,7 @@ class ApacheKafka(_Managed):
         self.log4j.write_text(self._log4j())
         if not (self.data / "meta.properties").is_file():
             cluster_id = self.cluster_id or new_cluster_id()
-            fmt = ["format", "-t", cluster_id, "-c", str(self.config)]
+            fmt = ["format", f"--cluster-id={cluster_id}", "-c", str(self.config)]
             if not self.voters:
                 fmt.append("--standalone")
             _run_step("kafka", "format the KRaft storage",
@@ -880,8 +880,13 @@ class ApacheKafka(_Managed):
 
 def new_cluster_id() -> str:
     """A Kafka cluster id: 16 random bytes, url-safe base64 without padding (22 chars),
-    the format of ``kafka-storage random-uuid`` without starting a JVM for it."""
-    return base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+    the format of ``kafka-storage random-uuid`` without starting a JVM for it. Like Kafka's
+    own, never one starting with "-": the storage tool's argument parser takes it for an
+    option (a CI run failed on "-dZL5…")."""
+    while True:
+        cid = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 PrivateKafka = ApacheKafka  # the Kafka that tests start and restart

@@ -95,6 +95,13 @@ def family_alive(pid: int) -> list[int]:
 # --------------------------------------------------------------------------- probes
 
 
+def test_kafka_cluster_ids_never_look_like_an_option() -> None:
+    """One in 64 random ids starts with "-", which kafka-storage's parser took for an option."""
+    ids = {bc.new_cluster_id() for _ in range(3000)}
+    assert len(ids) == 3000
+    assert all(len(i) == 22 and not i.startswith("-") for i in ids)
+
+
 def test_probes_return_false_quickly_on_a_closed_port() -> None:
     port = closed_port()
     t0 = time.monotonic()
