@@ -61,7 +61,10 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
         last = time.monotonic()
         for msg in msgs:
             seen += 1
-            out("RECV", msg.id, msg.attempt, digest(msg.body), repr(time.monotonic()))
+            # Stamp: the start of the receive call that returned it (its lease deadline -
+            # lease), fixed even if this process is frozen before it gets to print.
+            out("RECV", msg.id, msg.attempt, digest(msg.body),
+                repr(time.monotonic() + msg.lease_remaining - lease))
             if msg.headers.get("poison") == "crash":
                 die()
             if phase == "recv" and seen == kill_at:
