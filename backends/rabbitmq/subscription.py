@@ -465,26 +465,25 @@ class RabbitMQSubscription(DriverSubscription):
             log.debug("rabbitmq: acks not sent: %s", exc)
 
     def _io_ack_raw(self, raws: Sequence[_Raw]) -> None:
-        ch = self._usable_ch()
-        if ch is None:
-            return
-        try:
-            for raw in raws:
-                if raw.gen == self._ch_gen:
-                    ch.basic_ack(raw.tag)
-        except (*_CONN_ERRORS, pex.AMQPError) as exc:
-            log.debug("rabbitmq: acks not sent: %s", exc)
+        self._io_settle_raw(raws, requeue=False)
 
     def _io_requeue_raw(self, raws: Sequence[_Raw]) -> None:
+        self._io_settle_raw(raws, requeue=True)
+
+    def _io_settle_raw(self, raws: Sequence[_Raw], requeue: bool) -> None:
+        """Ack or requeue deliveries of the current channel (older ones are gone with it)."""
         ch = self._usable_ch()
         if ch is None:
             return
         try:
             for raw in raws:
                 if raw.gen == self._ch_gen:
-                    ch.basic_nack(raw.tag, requeue=True)
-        except (*_CONN_ERRORS, pex.AMQPError) as exc:
-            log.debug("rabbitmq: requeue not sent: %s", exc)
+                    if requeue:
+                        ch.basic_nack(raw.tag, requeue=True)
+                    else:
+                        ch.basic_ack(raw.tag)
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: redelivered anyway
+            log.debug("rabbitmq: %s not sent: %s", "requeue" if requeue else "acks", exc)
 
     def _io_copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
                           then: Callable[[], None] | None = None) -> None:
