@@ -1,31 +1,58 @@
-"""Kafka backend throughput next to raw kafka-python, in the same run, as ratios.
+"""Kafka backend throughput on each client library, next to that library used raw, as ratios.
 
     .venv/bin/python bench/bench_kafka.py [--url kafka://127.0.0.1:9092] [--n 50000]
-                                          [--size 100] [--batch 1000] [--rounds 2]
+        [--size 100] [--batch 1000] [--rounds 2] [--single 2000]
+        [--only publish|single|consume ...] [--clients confluent,kafka-python]
 
-Produce: raw ``KafkaProducer`` (acks=all, idempotent, the same linger/batch settings as the
-driver) sending ``n`` keyed records then flushing, or flushing every ``batch`` (the better
-of the two is the baseline), against mqabstract ``publish_batch`` in chunks
-of ``batch`` (every chunk waits for the broker's acks, as the contract requires).
-Consume: a raw consumer-group member polling ``n`` records and committing after every poll,
-against an mqabstract subscription receiving ``batch`` at a time and acking each message;
-both read the same records (those published through mqabstract, with its headers).
-Consume is timed from the first record to the last, so group joins are not counted.
-Every measurement uses fresh topics and groups; rounds alternate raw / mqabstract and the
-best round of each is reported. No assertions: numbers, not tests.
+For each client (``confluent``: confluent-kafka / librdkafka; ``kafka-python``) one run
+measures, against the same broker, ``size``-byte keyed records, acks=all, idempotent:
+
+* publish: mqabstract ``Broker.publish_batch`` in chunks of ``batch`` (every chunk waits for
+  the broker's acks, as the contract requires) against the raw producer sending ``n``
+  records and waiting for every delivery confirmation — the better of "send all, then
+  flush" and "flush every ``batch``" is the baseline. Raw confluent learns failures the
+  cheap way: ``delivery.report.only.error`` with one callback that records errors.
+* single: one message per call, waiting for its ack, ``single`` times (mqabstract:
+  ``Broker.publish``; raw, linger 0: confluent ``produce`` + ``flush``, kafka-python
+  ``send().get()``).
+* consume: a consumer-group member reading ``n`` records, every one acked (mqabstract:
+  ``Subscription.receive(batch)`` + ``Message.ack`` each; raw: consume/poll up to ``batch``
+  records, then a synchronous commit per poll batch). Timed from the first record to the
+  last, so group joins are not counted. Raw members read a topic filled beforehand; the
+  mqabstract subscription reads what mqabstract published.
+
+mqabstract picks the client by the URL query ``client=confluent`` / ``client=kafka-python``;
+where that fails (unknown option, client not implemented) the row says ``n/a`` with the
+reason and the run goes on. Every measurement uses fresh topics and groups, raw and
+mqabstract alternate within a round, the best round of each is reported with the
+mqabstract / raw ratio per client. No assertions: numbers, not tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import secrets
+import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
+from confluent_kafka import Consumer, KafkaError, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
 from kafka import KafkaConsumer, KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
 
 import mqabstract
-from mqabstract.backends.kafka import kafka_topic_name
+
+CLIENTS = ("confluent", "kafka-python")
+OPS = ("publish", "single", "consume")
+OP_NAMES = {"publish": "publish_batch", "single": "single publish", "consume": "receive+ack"}
+PARTITIONS = 4  # the driver's default ``partitions``: raw topics get the same
+WAIT = 120.0  # give up on a consume after this long (reported as n/a)
+HARD = WAIT + 60.0  # a call not back by then is left behind on its thread (n/a: hung)
+HUNG: list[str] = []
 
 
 def rate(n: int, seconds: float) -> float:
@@ -36,120 +63,370 @@ def servers(url: str) -> list[str]:
     return [f"{h}:{p or 9092}" for h, p in mqabstract.BrokerURL.parse(url).hosts]
 
 
-def raw_produce(url: str, topic: str, n: int, body: bytes, chunk: int | None = None) -> float:
-    """Send ``n`` records and wait for all acks; with ``chunk``, flush every ``chunk``."""
-    producer = KafkaProducer(bootstrap_servers=servers(url), acks="all",
-                             enable_idempotence=True, linger_ms=2, batch_size=256 * 1024)
-    producer.send(topic, b"warm-up").get(timeout=30)
-    start = time.perf_counter()
-    futures = []
-    for i in range(n):
-        futures.append(producer.send(topic, value=body, key=f"k{i}".encode()))
-        if chunk and (i + 1) % chunk == 0:
-            producer.flush()
-    producer.flush()
-    for f in futures:
-        f.get(timeout=30)
-    took = time.perf_counter() - start
-    producer.close()
-    return rate(n, took)
+def with_client(url: str, client: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}client={client}"
 
 
-def mq_produce(broker: mqabstract.Broker, topic: str, n: int, body: bytes, batch: int) -> float:
+def reason(exc: BaseException) -> str:
+    return f"n/a: {type(exc).__name__}: {exc}".replace("\n", " ")[:80]
+
+
+def bounded(call: Callable[[], Any], limit: float | None = None, what: str = "call") -> Any:
+    """Run ``call`` on a daemon thread; raise if it is not back within ``limit`` (a hung
+    client call must not stop the run: the thread is left behind, the process exits
+    without waiting for it)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name=f"bench {what}")
+    thread.start()
+    limit = HARD if limit is None else limit
+    thread.join(limit)
+    if thread.is_alive():
+        HUNG.append(what)
+        raise TimeoutError(f"hung: {what} not back after {limit:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# -- raw confluent-kafka ----------------------------------------------------------------------
+class RawConfluent:
+    name = "confluent"
+
+    def __init__(self, url: str) -> None:
+        self.bootstrap = ",".join(servers(url))
+        self.errors: list[KafkaError] = []
+
+    def _producer(self, **extra: Any) -> Producer:
+        return Producer({"bootstrap.servers": self.bootstrap, "acks": "all",
+                         "enable.idempotence": True, "queue.buffering.max.messages": 1_000_000,
+                         "delivery.report.only.error": True, "on_delivery": self._report,
+                         **extra})
+
+    def _report(self, err: KafkaError | None, _msg: Any) -> None:
+        if err is not None:
+            self.errors.append(err)
+
+    def _confirm(self, producer: Producer) -> None:
+        if producer.flush(60) or self.errors:
+            raise RuntimeError(f"raw confluent: undelivered records ({self.errors[:1]})")
+
+    def produce(self, topic: str, keys: list[bytes], body: bytes, chunk: int = 0) -> float:
+        producer = self._producer(**{"linger.ms": 5, "batch.size": 4_000_000,
+                                     "batch.num.messages": 100_000})
+        producer.produce(topic, b"warm-up")
+        self._confirm(producer)
+        send = producer.produce
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            try:
+                send(topic, body, key)
+            except BufferError:  # local queue full: serve delivery reports, then retry
+                producer.poll(0.05)
+                send(topic, body, key)
+            if chunk and (i + 1) % chunk == 0:
+                self._confirm(producer)
+        self._confirm(producer)
+        return rate(len(keys), time.perf_counter() - start)
+
+    def single(self, topic: str, n: int, body: bytes) -> float:
+        producer = self._producer(**{"linger.ms": 0})  # flush() sends at once anyway
+        producer.produce(topic, b"warm-up")
+        self._confirm(producer)
+        start = time.perf_counter()
+        for _ in range(n):
+            producer.produce(topic, body)
+            self._confirm(producer)
+        return rate(n, time.perf_counter() - start)
+
+    def consume(self, topic: str, n: int, batch: int) -> float:
+        consumer = Consumer({"bootstrap.servers": self.bootstrap,
+                             "group.id": "bench-raw-" + secrets.token_hex(4),
+                             "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                             "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000,
+                             "fetch.wait.max.ms": 100})
+        consumer.subscribe([topic])
+        got, start = 0, None
+        deadline = time.monotonic() + WAIT
+        try:
+            while got < n and time.monotonic() < deadline:
+                msgs = consumer.consume(batch, 0.5)
+                if not msgs:
+                    continue
+                if start is None:
+                    start = time.perf_counter()
+                for m in msgs:
+                    if m.error() is not None:
+                        raise RuntimeError(f"raw confluent consume: {m.error()}")
+                got += len(msgs)
+                consumer.commit(asynchronous=False)
+            took = time.perf_counter() - (start or time.perf_counter())
+        finally:
+            consumer.close()
+        if got < n:
+            raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
+        return rate(got, took)
+
+
+# -- raw kafka-python -------------------------------------------------------------------------
+class RawKafkaPython:
+    name = "kafka-python"
+
+    def __init__(self, url: str) -> None:
+        self.servers = servers(url)
+
+    def _producer(self, linger_ms: int = 2) -> KafkaProducer:
+        return KafkaProducer(bootstrap_servers=self.servers, acks="all",
+                             enable_idempotence=True, linger_ms=linger_ms,
+                             batch_size=256 * 1024)
+
+    def produce(self, topic: str, keys: list[bytes], body: bytes, chunk: int = 0) -> float:
+        producer = self._producer()
+        producer.send(topic, b"warm-up").get(timeout=30)
+        start = time.perf_counter()
+        futures = []
+        for i, key in enumerate(keys):
+            futures.append(producer.send(topic, value=body, key=key))
+            if chunk and (i + 1) % chunk == 0:
+                producer.flush()
+        producer.flush()
+        for f in futures:
+            f.get(timeout=30)
+        took = time.perf_counter() - start
+        producer.close()
+        return rate(len(keys), took)
+
+    def single(self, topic: str, n: int, body: bytes) -> float:
+        producer = self._producer(linger_ms=0)  # get() waits: lingering only adds latency
+        producer.send(topic, b"warm-up").get(timeout=30)
+        start = time.perf_counter()
+        for _ in range(n):
+            producer.send(topic, body).get(timeout=30)
+        took = time.perf_counter() - start
+        producer.close()
+        return rate(n, took)
+
+    def consume(self, topic: str, n: int, batch: int) -> float:
+        consumer = KafkaConsumer(topic, bootstrap_servers=self.servers,
+                                 group_id="bench-raw-" + secrets.token_hex(4),
+                                 enable_auto_commit=False, auto_offset_reset="earliest",
+                                 session_timeout_ms=6000, heartbeat_interval_ms=1000,
+                                 max_poll_records=batch, fetch_max_wait_ms=100)
+        got, start = 0, None
+        deadline = time.monotonic() + WAIT
+        try:
+            while got < n and time.monotonic() < deadline:
+                batches = consumer.poll(timeout_ms=500)
+                if not batches:
+                    continue
+                if start is None:
+                    start = time.perf_counter()
+                got += sum(len(records) for records in batches.values())
+                consumer.commit()
+            took = time.perf_counter() - (start or time.perf_counter())
+        finally:
+            consumer.close()
+        if got < n:
+            raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
+        return rate(got, took)
+
+
+# -- mqabstract -------------------------------------------------------------------------------
+def mq_publish(broker: mqabstract.Broker, topic: str, keys: list[str], body: bytes,
+               batch: int) -> float:
     broker.publish(topic, b"warm-up")
     start = time.perf_counter()
-    for lo in range(0, n, batch):
-        broker.publish_batch([{"topic": topic, "body": body, "key": f"k{i}"}
-                              for i in range(lo, min(n, lo + batch))])
+    for lo in range(0, len(keys), batch):
+        broker.publish_batch([{"topic": topic, "body": body, "key": k}
+                              for k in keys[lo:lo + batch]])
+    return rate(len(keys), time.perf_counter() - start)
+
+
+def mq_single(broker: mqabstract.Broker, topic: str, n: int, body: bytes) -> float:
+    broker.publish(topic, b"warm-up")
+    start = time.perf_counter()
+    for _ in range(n):
+        broker.publish(topic, body)
     return rate(n, time.perf_counter() - start)
-
-
-def raw_consume(url: str, topic: str, n: int) -> float:
-    consumer = KafkaConsumer(topic, bootstrap_servers=servers(url),
-                             group_id="bench-raw-" + secrets.token_hex(4),
-                             enable_auto_commit=False, auto_offset_reset="earliest",
-                             session_timeout_ms=6000, heartbeat_interval_ms=1000,  # Apache minimum
-                             max_poll_records=1000, fetch_max_wait_ms=100)
-    got, start = 0, None
-    deadline = time.monotonic() + 300
-    while got < n and time.monotonic() < deadline:
-        batches = consumer.poll(timeout_ms=500)
-        for records in batches.values():
-            if start is None and records:
-                start = time.perf_counter()
-            got += sum(1 for r in records if r.value != b"warm-up")
-        if batches:
-            consumer.commit()
-    took = time.perf_counter() - (start or time.perf_counter())
-    consumer.close()
-    return rate(got, took)
 
 
 def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batch: int) -> float:
     sub = broker.subscribe(group, pattern, lease=300.0)
     got, start = 0, None
-    deadline = time.monotonic() + 300
-    while got < n and time.monotonic() < deadline:
-        msgs = sub.receive(batch, 1.0)
-        if msgs and start is None:
-            start = time.perf_counter()
-        for m in msgs:
-            m.ack()
-        got += sum(1 for m in msgs if m.body != b"warm-up")
-    took = time.perf_counter() - (start or time.perf_counter())
-    sub.close()
+    deadline = time.monotonic() + WAIT
+    try:
+        while got < n and time.monotonic() < deadline:
+            msgs = sub.receive(batch, 1.0)
+            if msgs and start is None:
+                start = time.perf_counter()
+            for m in msgs:
+                m.ack()
+            got += sum(1 for m in msgs if m.body != b"warm-up")
+        took = time.perf_counter() - (start or time.perf_counter())
+    finally:
+        sub.close()
+    if got < n:
+        raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
     return rate(got, took)
+
+
+# -- driver -----------------------------------------------------------------------------------
+class Results:
+    def __init__(self) -> None:
+        self.best: dict[tuple[str, str, str], float] = {}
+        self.failed: dict[tuple[str, str, str], str] = {}
+
+    def run(self, key: tuple[str, str, str], call: Callable[[], float]) -> None:
+        try:
+            value = bounded(call, what=" ".join(key))
+        except Exception as exc:
+            self.failed.setdefault(key, reason(exc))
+            return
+        self.best[key] = max(self.best.get(key, 0.0), value)
+
+    def cell(self, key: tuple[str, str, str]) -> str:
+        if key in self.best:
+            return f"{self.best[key]:12,.0f}"
+        return f"{'n/a':>12s}" if key in self.failed else f"{'-':>12s}"
+
+
+def create_topics(admin: AdminClient, names: list[str]) -> None:
+    for future in admin.create_topics([NewTopic(t, PARTITIONS, 1) for t in names]).values():
+        future.result()
+
+
+def delete_topics(admin: AdminClient, token: str) -> None:
+    names = [t for t in admin.list_topics(timeout=30).topics if token in t]
+    if names:
+        for future in admin.delete_topics(names, operation_timeout=30).values():
+            with contextlib.suppress(Exception):
+                future.result()
+
+
+def fill(url: str, topic: str, n: int, body: bytes) -> None:
+    RawConfluent(url).produce(topic, [f"k{i}".encode() for i in range(n)], body)
+
+
+def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: AdminClient,
+                 raw: RawConfluent | RawKafkaPython, client: str, token: str,
+                 consume_topic: str) -> None:
+    """One round of every operation on one client: raw first, then mqabstract."""
+    body = b"x" * args.size
+    keys = [f"k{i}" for i in range(args.n)]
+    raw_keys = [k.encode() for k in keys]
+    tag = f"{token}{client[0]}"
+    try:
+        broker: mqabstract.Broker | None = mqabstract.connect(
+            with_client(args.url, client))
+        connect_error = ""
+    except Exception as exc:
+        broker, connect_error = None, reason(exc)
+    group, pattern = f"bench-{tag}", f"bench.{tag}.#"
+    published = False
+
+    def mq(op: str, call: Callable[[mqabstract.Broker], float]) -> None:
+        if broker is None:
+            res.failed.setdefault((op, client, "mq"), connect_error)
+        else:
+            b = broker
+            res.run((op, client, "mq"), lambda: call(b))
+
+    try:
+        if broker is not None:
+            with contextlib.suppress(Exception):
+                broker.declare(group, pattern)
+        if "publish" in ops:
+            raw_topic = f"bench-raw-{tag}-p"
+            create_topics(admin, [raw_topic])
+            res.run(("publish", client, "raw"), lambda r=raw, t=raw_topic:
+                    max(r.produce(t, raw_keys, body),
+                        r.produce(t, raw_keys, body, args.batch)))
+            mq("publish", lambda b: mq_publish(b, f"bench.{tag}.t", keys, body,
+                                               args.batch))
+            published = ("publish", client, "mq") in res.best
+        if "single" in ops:
+            raw_topic = f"bench-raw-{tag}-s"
+            create_topics(admin, [raw_topic])
+            res.run(("single", client, "raw"),
+                    lambda r=raw, t=raw_topic: r.single(t, args.single, body))
+            mq("single", lambda b: mq_single(b, f"benchs.{tag}.s", args.single,
+                                             body))
+        if "consume" in ops:
+            res.run(("consume", client, "raw"),
+                    lambda r=raw: r.consume(consume_topic, args.n, args.batch))
+            if not published and broker is not None:  # untimed fill
+                with contextlib.suppress(Exception):
+                    bounded(lambda: mq_publish(broker, f"bench.{tag}.t", keys, body, args.batch),
+                            what=f"{client} fill")
+            mq("consume", lambda b: mq_consume(b, group, pattern, args.n,
+                                               args.batch))
+    finally:
+        if broker is not None:
+            with contextlib.suppress(Exception):
+                bounded(lambda: broker.delete_group(group), 60, f"{client} delete_group")
+            with contextlib.suppress(Exception):
+                bounded(broker.close, 60, f"{client} close")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="kafka://127.0.0.1:9092")
-    ap.add_argument("--n", type=int, default=50_000)
+    ap.add_argument("--n", type=int, default=50_000, help="messages for publish and consume")
     ap.add_argument("--size", type=int, default=100)
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--single", type=int, default=2000, help="messages for single publish")
+    ap.add_argument("--only", action="append", choices=OPS, help="repeatable; default all")
+    ap.add_argument("--clients", default=",".join(CLIENTS))
     args = ap.parse_args()
-    body = b"x" * args.size
-    broker = mqabstract.connect(args.url)
-    admin = KafkaAdminClient(bootstrap_servers=servers(args.url))
-    parts = broker.capabilities.max_consumers_per_group or 4
-    best = {"raw produce": 0.0, "mq publish_batch": 0.0, "raw consume": 0.0,
-            "mq consume": 0.0}
-    try:
-        for _ in range(args.rounds):
-            token = "b" + secrets.token_hex(4)
-            raw_topic = f"bench-raw-{token}"
-            admin.create_topics([NewTopic(raw_topic, parts, -1)])
-            mq_topic = f"bench.{token}.t"
-            group = f"bench-{token}"
-            broker.declare(group, f"bench.{token}.#")
-            # The raw baseline is the better of "send all, then flush" and "flush every
-            # batch" (the latter is what publish_batch does per call).
-            best["raw produce"] = max(best["raw produce"],
-                                      raw_produce(args.url, raw_topic, args.n, body),
-                                      raw_produce(args.url, raw_topic, args.n, body, args.batch))
-            best["mq publish_batch"] = max(
-                best["mq publish_batch"], mq_produce(broker, mq_topic, args.n, body, args.batch))
-            # Both consumers read the same records (the ones mqabstract published, with
-            # its id / timestamp headers): the comparison is of the consuming side only.
-            best["raw consume"] = max(best["raw consume"],
-                                      raw_consume(args.url, kafka_topic_name(mq_topic), args.n))
-            best["mq consume"] = max(best["mq consume"],
-                                     mq_consume(broker, group, f"bench.{token}.#", args.n,
-                                                args.batch))
-            broker.delete_group(group)
-            admin.delete_topics([raw_topic, kafka_topic_name(mq_topic)])
-    finally:
-        admin.close()
-        broker.close()
-    print(f"kafka bench: n={args.n} size={args.size} B batch={args.batch} "
-          f"rounds={args.rounds} partitions={parts} (best round)")
-    for name, value in best.items():
-        print(f"  {name:18s} {value:10,.0f} msg/s")
-    produce = best["mq publish_batch"] / max(best["raw produce"], 1e-9)
-    consume = best["mq consume"] / max(best["raw consume"], 1e-9)
-    print(f"  ratio publish_batch / raw produce: {produce:.2f}")
-    print(f"  ratio consume / raw consume:       {consume:.2f}")
+    ops = [op for op in OPS if op in (args.only or OPS)]
+    clients = [c for c in args.clients.split(",") if c]
+    unknown = set(clients) - set(CLIENTS)
+    if unknown:
+        ap.error(f"unknown client(s) {sorted(unknown)}; known: {', '.join(CLIENTS)}")
+    raws: dict[str, RawConfluent | RawKafkaPython] = {
+        "confluent": RawConfluent(args.url), "kafka-python": RawKafkaPython(args.url)}
+    admin = AdminClient({"bootstrap.servers": ",".join(servers(args.url))})
+    res = Results()
+
+    for _ in range(args.rounds):
+        token = "b" + secrets.token_hex(4)
+        try:
+            consume_topic = f"bench-raw-{token}-c"
+            if "consume" in ops:  # one filled topic, read by each raw client's own group
+                create_topics(admin, [consume_topic])
+                fill(args.url, consume_topic, args.n, b"x" * args.size)
+            for client in clients:
+                bench_client(args, ops, res, admin, raws[client], client, token, consume_topic)
+        finally:
+            delete_topics(admin, token)
+
+    print(f"kafka bench at {mqabstract.BrokerURL.parse(args.url).redacted()}: n={args.n} "
+          f"single={args.single} size={args.size} B batch={args.batch} "
+          f"partitions={PARTITIONS}, best of {args.rounds} rounds (msg/s)")
+    print(f"  {'operation':15s} {'client':13s} {'raw':>12s} {'mqabstract':>12s}  mq/raw")
+    for op in ops:
+        for client in clients:
+            raw_key, mq_key = (op, client, "raw"), (op, client, "mq")
+            ratio = (f"{res.best[mq_key] / res.best[raw_key]:6.2f}"
+                     if mq_key in res.best and res.best.get(raw_key) else f"{'-':>6s}")
+            print(f"  {OP_NAMES[op]:15s} {client:13s} {res.cell(raw_key)} "
+                  f"{res.cell(mq_key)}  {ratio}")
+    for (op, client, side), why in res.failed.items():
+        who = "mqabstract" if side == "mq" else "raw"
+        some = " (in some rounds; the best of the others is shown)" if (
+            (op, client, side) in res.best) else ""
+        print(f"  {OP_NAMES[op]} {client} {who}: {why}{some}")
+    if HUNG:  # threads left in client calls: do not wait for them at exit
+        print(f"  hung calls left behind: {', '.join(HUNG)}")
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
