@@ -17,12 +17,9 @@ kafka = pytest.importorskip("kafka")
 
 import mqabstract  # noqa: E402
 from mqabstract import wire  # noqa: E402
-from mqabstract.backends.kafka import (  # noqa: E402
-    _Checkpoint,
-    _Part,
-    kafka_topic_name,
-    topic_regex,
-)
+from mqabstract.backends.kafka import kafka_topic_name, topic_regex  # noqa: E402
+from mqabstract.backends.kafka.state import Checkpoint as _Checkpoint  # noqa: E402
+from mqabstract.backends.kafka.state import Part as _Part  # noqa: E402
 from mqabstract.names import topic_matches  # noqa: E402
 from tests.brokers import resolve_url  # noqa: E402
 
@@ -132,7 +129,7 @@ def test_checkpoint_round_trip() -> None:
 
 
 def _part(committed: int, ckpt: _Checkpoint) -> _Part:
-    return _Part(kafka.structs.OffsetAndMetadata(committed, ckpt.encode(), -1))
+    return _Part((committed, ckpt.encode()))
 
 
 def test_takeover_gives_one_attempt_more_than_any_earlier_owner() -> None:

@@ -1,0 +1,640 @@
+"""The client surface (``client.py``) on confluent-kafka (librdkafka).
+
+librdkafka does the protocol work in its own threads (fetching, batching, heartbeats,
+reconnects); this module only translates. Its rebalance callbacks run inside ``consume``
+on the polling thread. A consumer without a group is not allowed by the Python
+binding: readers carry a group id they never join or commit (``READER_GROUP``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import confluent_kafka as ck
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from mqabstract.url import redact
+
+from .client import (
+    TP,
+    Admin,
+    Client,
+    ClientError,
+    Fetched,
+    Kind,
+    Listener,
+    Member,
+    Outgoing,
+    Pending,
+    Producer,
+    Reader,
+    Settings,
+)
+
+__all__ = ["CLIENT", "READER_GROUP"]
+
+log = logging.getLogger("mqabstract.kafka")
+
+#: The group id of group-less readers: never joined, never committed (not listed by the
+#: broker: a group exists there only once it has members or offsets).
+READER_GROUP = "__mqa..reader"
+
+_E = ck.KafkaError
+_FENCED = {_E.ILLEGAL_GENERATION, _E.UNKNOWN_MEMBER_ID, _E.REBALANCE_IN_PROGRESS,
+           _E.FENCED_INSTANCE_ID, _E._ASSIGNMENT_LOST}
+_TOO_LARGE = {_E.MSG_SIZE_TOO_LARGE, _E.RECORD_LIST_TOO_LARGE,
+              getattr(_E, "_MSG_SIZE_TOO_LARGE", _E.MSG_SIZE_TOO_LARGE)}
+_TIMEOUT = {_E._TIMED_OUT, _E.REQUEST_TIMED_OUT, _E._MSG_TIMED_OUT, _E._TIMED_OUT_QUEUE}
+_DOWN = {_E._TRANSPORT, _E._ALL_BROKERS_DOWN, _E._RESOLVE, _E.NOT_COORDINATOR,
+         _E.COORDINATOR_NOT_AVAILABLE, _E.COORDINATOR_LOAD_IN_PROGRESS, _E._WAIT_COORD,
+         _E.LEADER_NOT_AVAILABLE, _E.NOT_LEADER_FOR_PARTITION, _E.UNKNOWN_TOPIC_OR_PART,
+         _E._UNKNOWN_PARTITION, _E.BROKER_NOT_AVAILABLE, _E.NETWORK_EXCEPTION,
+         getattr(_E, "_DESTROY", _E._TRANSPORT)}
+
+
+def _error(err: Any, where: str = "") -> ClientError:
+    """A librdkafka ``KafkaError`` as :class:`ClientError`."""
+    code = err.code()
+    text = redact(f"{where}{err.name()}: {err.str()}")[:1500]
+    if code in _FENCED:
+        kind = Kind.FENCED
+    elif code == _E.OFFSET_METADATA_TOO_LARGE:
+        kind = Kind.METADATA_TOO_LARGE
+    elif code in _TOO_LARGE:
+        kind = Kind.TOO_LARGE
+    elif code == _E.INVALID_SESSION_TIMEOUT:
+        kind = Kind.BAD_SESSION
+    elif code in _TIMEOUT:
+        kind = Kind.TIMEOUT
+    elif err.fatal():
+        kind = Kind.FATAL
+    elif err.retriable() or code in _DOWN:
+        kind = Kind.TRANSIENT
+    else:
+        kind = Kind.OTHER
+    return ClientError(kind, text, err.name())
+
+
+def classify(exc: BaseException) -> ClientError:
+    """confluent-kafka's exceptions as :class:`ClientError`."""
+    if isinstance(exc, ClientError):
+        return exc
+    if isinstance(exc, ck.KafkaException) and exc.args and isinstance(exc.args[0], _E):
+        return _error(exc.args[0])
+    if isinstance(exc, BufferError):
+        return ClientError(Kind.TRANSIENT, f"producer queue full: {exc}", "BufferError")
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return ClientError(Kind.TRANSIENT, redact(str(exc))[:1500], type(exc).__name__)
+    return ClientError(Kind.OTHER, redact(f"{type(exc).__name__}: {exc}")[:1500],
+                       type(exc).__name__)
+
+
+def _config(s: Settings) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "bootstrap.servers": ",".join(s.servers),
+        "client.id": s.client_id,
+        "socket.timeout.ms": s.request_timeout_ms,
+        "socket.nagle.disable": True,  # small requests (commits, single publishes) at once
+        "log_level": 3,  # errors only: librdkafka logs reconnects as warnings
+    }
+    if s.security_protocol:
+        cfg["security.protocol"] = s.security_protocol
+    if s.sasl_mechanism:
+        cfg["sasl.mechanism"] = s.sasl_mechanism
+    if s.sasl_username is not None:
+        cfg["sasl.username"] = s.sasl_username
+        cfg["sasl.password"] = s.sasl_password or ""
+    for ours, theirs in (("ssl_cafile", "ssl.ca.location"),
+                         ("ssl_certfile", "ssl.certificate.location"),
+                         ("ssl_keyfile", "ssl.key.location"),
+                         ("ssl_password", "ssl.key.password")):
+        if getattr(s, ours):
+            cfg[theirs] = getattr(s, ours)
+    if not s.ssl_check_hostname:
+        cfg["ssl.endpoint.identification.algorithm"] = "none"
+    cfg.update(s.extra)
+    return cfg
+
+
+def _native(tps: Collection[TP], offset: int = ck.OFFSET_INVALID) -> list[Any]:
+    return [ck.TopicPartition(t, p, offset) for t, p in tps]
+
+
+class _Batch:
+    """Outcomes of one ``send`` call, filled in by delivery reports."""
+
+    __slots__ = ("errors", "left")
+
+    def __init__(self, n: int) -> None:
+        self.errors: list[ClientError | None] = [None] * n
+        self.left = n
+
+
+class _Producer(Producer):
+    def __init__(self, s: Settings) -> None:
+        cfg = _config(s)
+        cfg.update({
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": s.linger_ms,
+            "batch.size": 1_000_000,
+            "message.max.bytes": 1_048_576,
+            "allow.auto.create.topics": False,  # every topic is created explicitly
+            "request.timeout.ms": s.request_timeout_ms,
+            # A record not acknowledged by then is reported failed (a publish waits twice
+            # the request timeout, as on kafka-python).
+            "message.timeout.ms": 2 * s.request_timeout_ms,
+            "topic.metadata.refresh.interval.ms": 30000,
+        })
+        self.p = ck.Producer(cfg)
+        self.s = s
+        self.parts: dict[str, tuple[set[int], float]] = {}
+        try:  # librdkafka connects lazily: a bad address fails here, at open
+            self.p.list_topics(timeout=s.connect_timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    def send(self, records: Sequence[Outgoing], timeout: float) -> list[ClientError | None]:
+        batch = _Batch(len(records))
+        produce, poll = self.p.produce, self.p.poll
+        deadline = time.monotonic() + timeout
+
+        def report(i: int) -> Callable[[Any, Any], None]:
+            def landed(err: Any, _msg: Any) -> None:
+                batch.left -= 1
+                if err is not None:
+                    batch.errors[i] = _error(err)
+            return landed
+
+        for i, r in enumerate(records):
+            kw: dict[str, Any] = {"headers": r.headers, "on_delivery": report(i)}
+            if r.partition is not None:
+                kw["partition"] = r.partition
+            if r.timestamp_ms is not None:
+                kw["timestamp"] = r.timestamp_ms
+            while True:
+                try:
+                    produce(r.topic, r.value, r.key, **kw)
+                    break
+                except BufferError:  # the local queue is full: let librdkafka send some
+                    poll(0.05)
+                    if time.monotonic() >= deadline:
+                        batch.errors[i] = ClientError(Kind.TIMEOUT, "producer queue full")
+                        batch.left -= 1
+                        break
+                except Exception as exc:
+                    batch.errors[i] = classify(exc)
+                    batch.left -= 1
+                    break
+        # Delivery reports are served by whichever thread polls: wait in short polls.
+        while batch.left > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            poll(min(left, 0.05))
+        if batch.left > 0:
+            for i, err in enumerate(batch.errors):
+                if err is None:
+                    batch.errors[i] = ClientError(
+                        Kind.TIMEOUT, f"not acknowledged within {timeout:.1f}s")
+        return batch.errors
+
+    def partitions(self, topic: str) -> set[int] | None:
+        cached = self.parts.get(topic)
+        if cached is not None and time.monotonic() - cached[1] < 30:
+            return cached[0]
+        try:
+            meta = self.p.list_topics(topic, timeout=self.s.request_timeout_ms / 1000)
+        except Exception as exc:
+            raise classify(exc) from exc
+        found = meta.topics.get(topic)
+        if found is None or found.error is not None or not found.partitions:
+            return None
+        parts = set(found.partitions)
+        self.parts[topic] = (parts, time.monotonic())
+        return parts
+
+    def forget(self, topics: Collection[str]) -> None:
+        for topic in topics:
+            self.parts.pop(topic, None)
+
+    def close(self, timeout: float) -> None:
+        try:
+            self.p.flush(timeout)
+        except Exception as exc:
+            log.debug("kafka: producer flush at close: %s", exc)
+
+
+def _result(future: Any, timeout: float) -> Any:
+    try:
+        return future.result(timeout=timeout)
+    except ck.KafkaException as exc:
+        raise classify(exc) from exc
+    except TimeoutError as exc:
+        raise ClientError(Kind.TIMEOUT, "admin request not answered") from exc
+
+
+class _Admin(Admin):
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.timeout = s.request_timeout_ms / 1000
+        self.a = AdminClient(_config(s))
+
+    def create_topics(self, names: Collection[str], partitions: int, replication: int,
+                      configs: Mapping[str, str]) -> dict[str, ClientError | None]:
+        new = [NewTopic(n, num_partitions=partitions, replication_factor=replication,
+                        config=dict(configs)) for n in names]
+        try:
+            futures = self.a.create_topics(new, operation_timeout=self.timeout,
+                                           request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        out: dict[str, ClientError | None] = {}
+        for name, future in futures.items():
+            try:
+                _result(future, self.timeout + 5)
+                out[name] = None
+            except ClientError as err:
+                if err.native == "TOPIC_ALREADY_EXISTS":
+                    out[name] = None
+                elif err.retriable:
+                    raise
+                else:
+                    out[name] = err
+        return out
+
+    def list_topics(self) -> set[str]:
+        try:
+            return set(self.a.list_topics(timeout=self.timeout).topics)
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    def group_offsets(self, group: str, tps: Collection[TP]
+                      ) -> dict[TP, tuple[int, str] | None]:
+        request = ck.ConsumerGroupTopicPartitions(group, _native(tps))
+        try:
+            futures = self.a.list_consumer_group_offsets([request],
+                                                         request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        found = _result(futures[group], self.timeout + 5)
+        out: dict[TP, tuple[int, str] | None] = {tp: None for tp in tps}
+        for item in found.topic_partitions:
+            if item.error is not None:
+                raise _error(item.error, f"{item.topic}[{item.partition}]: ")
+            if item.offset >= 0:
+                out[TP(item.topic, item.partition)] = (item.offset, item.metadata or "")
+        return out
+
+    def set_group_offsets(self, group: str, offsets: Mapping[TP, tuple[int, str]]) -> None:
+        request = ck.ConsumerGroupTopicPartitions(
+            group, [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()])
+        try:
+            futures = self.a.alter_consumer_group_offsets([request],
+                                                          request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        done = _result(futures[group], self.timeout + 5)
+        for item in done.topic_partitions:
+            if item.error is not None:
+                raise _error(item.error)
+
+    def delete_topics(self, names: Collection[str]) -> None:
+        try:
+            futures = self.a.delete_topics(list(names), operation_timeout=self.timeout,
+                                           request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        for future in futures.values():
+            try:
+                _result(future, self.timeout + 5)
+            except ClientError as err:
+                if err.native != "UNKNOWN_TOPIC_OR_PART":
+                    raise
+
+    def delete_groups(self, groups: Collection[str]) -> None:
+        try:
+            futures = self.a.delete_consumer_groups(list(groups),
+                                                    request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        for future in futures.values():
+            try:
+                _result(future, self.timeout + 5)
+            except ClientError as err:
+                if err.native not in ("GROUP_ID_NOT_FOUND", "NON_EMPTY_GROUP"):
+                    raise
+
+    def close(self) -> None:
+        return None  # AdminClient has no close: freed with its last reference
+
+
+class _Record:
+    """A fetched record with the attributes ``Fetched`` names."""
+
+    __slots__ = ("headers", "key", "offset", "timestamp", "value")
+
+    def __init__(self, msg: Any) -> None:
+        self.offset: int = msg.offset()
+        self.key: bytes | None = msg.key()
+        self.value: bytes | None = msg.value()
+        self.headers: list[tuple[str, bytes | None]] | None = msg.headers()
+        self.timestamp: int = msg.timestamp()[1]
+
+
+class _Reader(Reader):
+    def __init__(self, s: Settings, group: str = READER_GROUP, **extra: Any) -> None:
+        cfg = _config(s)
+        cfg.update({
+            "group.id": group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "allow.auto.create.topics": False,
+            "enable.partition.eof": False,
+            "fetch.wait.max.ms": s.fetch_max_wait_ms,
+            "topic.metadata.refresh.interval.ms": 30000,
+        })
+        cfg.update(extra)
+        self.timeout = s.request_timeout_ms / 1000
+        self.assigned: set[TP] = set()  # as the caller sees it
+        self.live: set[TP] = set()  # assigned in librdkafka: positioned by a seek
+        self.paused: set[TP] = set()
+        self.next: dict[TP, int] = {}  # offset after the last record returned, per partition
+        try:
+            self.c = self._make(cfg)
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    def _make(self, cfg: dict[str, Any]) -> Any:
+        return ck.Consumer(cfg)
+
+    def assign(self, tps: Collection[TP]) -> None:
+        """New partitions are handed to librdkafka by the ``seek`` that positions them,
+        with their offset: nothing is fetched from a wrong place meanwhile."""
+        wanted = set(tps)
+        gone = self.live - wanted
+        try:
+            if gone:
+                self.c.incremental_unassign(_native(gone))
+        except Exception as exc:
+            raise classify(exc) from exc
+        self.live -= gone
+        for tp in self.assigned - wanted:
+            self.next.pop(tp, None)
+        self.paused &= wanted
+        self.assigned = wanted
+
+    def poll(self, timeout: float, max_records: int) -> dict[TP, list[Fetched]]:
+        try:
+            msgs = self.c.consume(max_records, timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        out: dict[TP, list[Fetched]] = {}
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() != _E._PARTITION_EOF:
+                    failure = _error(err)
+                    if not failure.retriable:
+                        raise failure
+                    log.debug("kafka: fetch: %s", failure)
+                continue
+            tp = TP(msg.topic(), msg.partition())
+            batch = out.get(tp)
+            if batch is None:
+                batch = out[tp] = []
+            batch.append(_Record(msg))
+        for tp, batch in out.items():
+            self.next[tp] = batch[-1].offset + 1
+        return out
+
+    def pause(self, tps: Collection[TP]) -> None:
+        self.paused |= set(tps)
+        live = [tp for tp in tps if tp in self.live]
+        if live:
+            self.c.pause(_native(live))
+
+    def resume(self, tps: Collection[TP]) -> None:
+        self.paused -= set(tps)
+        live = [tp for tp in tps if tp in self.live]
+        if live:
+            self.c.resume(_native(live))
+
+    def seek(self, positions: Mapping[TP, int | None]) -> None:
+        if not positions:
+            return
+
+        def native(tp: TP, offset: int | None) -> Any:
+            return ck.TopicPartition(tp[0], tp[1],
+                                     ck.OFFSET_BEGINNING if offset is None else offset)
+
+        new = [tp for tp in positions if tp not in self.live]
+        try:
+            if new:
+                self.c.incremental_assign([native(tp, positions[tp]) for tp in new])
+                self.live.update(new)
+                held = [tp for tp in new if tp in self.paused]
+                if held:
+                    self.c.pause(_native(held))
+            for tp, offset in positions.items():
+                if tp not in new:
+                    self.c.seek(native(tp, offset))
+        except Exception as exc:
+            raise classify(exc) from exc
+        for tp, offset in positions.items():
+            if offset is None:
+                self.next.pop(tp, None)
+            else:
+                self.next[tp] = offset
+
+    def position(self, tp: TP) -> int:
+        if tp in self.next:
+            return self.next[tp]
+        low, _ = self._watermarks(tp)
+        return low
+
+    def _watermarks(self, tp: TP) -> tuple[int, int]:
+        try:
+            low, high = self.c.get_watermark_offsets(ck.TopicPartition(*tp),
+                                                     timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        return int(low), int(high)
+
+    def end_offsets(self, tps: Collection[TP]) -> dict[TP, int]:
+        return {tp: self._watermarks(tp)[1] for tp in tps}
+
+    def offsets_for_times(self, tps: Collection[TP], ms: int) -> dict[TP, int | None]:
+        try:
+            found = self.c.offsets_for_times(_native(tps, ms), timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        out: dict[TP, int | None] = {tp: None for tp in tps}
+        for item in found:
+            if item.error is None and item.offset >= 0:
+                out[TP(item.topic, item.partition)] = item.offset
+        return out
+
+    def close(self) -> None:
+        try:
+            self.c.close()
+        except Exception as exc:
+            log.debug("kafka: consumer close: %s", exc)
+
+
+class _Done(Pending):
+    """A commit that has completed (confluent-kafka commits synchronously here)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: ClientError | None) -> None:
+        self.error = error
+
+    def wait(self, timeout: float) -> ClientError | None:
+        return self.error
+
+
+class _Member(_Reader, Member):
+    """librdkafka keeps the membership in its own threads; ``consume`` on the group thread
+    runs the rebalance callbacks.
+
+    The binding serialises calls on one consumer: a commit from another thread waits until
+    the group thread's ``consume`` returns, and a thread that calls ``consume`` back to back
+    starves it. So ``poll`` waits in short slices (5 ms while commits are being made, 50 ms
+    when idle) and steps aside while a commit waits (``gate``); commits are synchronous
+    calls made by the committing thread (an asynchronous one's result would arrive in
+    the group thread's ``consume``).
+    """
+
+    def __init__(self, s: Settings, group: str, topic: str, revoked: Listener,
+                 assigned: Listener) -> None:
+        self.rebalancing = True  # until the first assignment
+        self.busy_until = 0.0
+        self.gate = threading.Condition()
+        self.waiting = 0  # threads waiting to commit
+        super().__init__(s, group, **{
+            "session.timeout.ms": s.session_timeout_ms,
+            "heartbeat.interval.ms": s.heartbeat_interval_ms,
+            "max.poll.interval.ms": max(s.max_poll_interval_ms, s.session_timeout_ms),
+        })
+        self.topic = topic
+        self.on_revoked = revoked
+        self.on_assigned = assigned
+        try:
+            self.c.subscribe([topic], on_assign=self._assign, on_revoke=self._revoke,
+                             on_lost=self._revoke)
+        except Exception as exc:
+            self.close()
+            raise classify(exc) from exc
+
+    def await_metadata(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                meta = self.c.list_topics(self.topic,
+                                          timeout=max(0.1, deadline - time.monotonic()))
+                found = meta.topics.get(self.topic)
+                if found is not None and found.error is None and found.partitions:
+                    return
+            except Exception as exc:
+                err = classify(exc)
+                if not err.retriable:
+                    raise err from exc
+            if time.monotonic() >= deadline:
+                raise ClientError(Kind.TIMEOUT,
+                                  f"topic {self.topic} not in the broker's metadata")
+            time.sleep(0.05)
+
+    def poll(self, timeout: float, max_records: int) -> dict[TP, list[Fetched]]:
+        with self.gate:
+            while self.waiting:
+                self.gate.wait(0.05)
+        slice_ = 0.005 if time.monotonic() < self.busy_until else 0.05
+        return super().poll(min(timeout, slice_), max_records)
+
+    def _assign(self, consumer: Any, partitions: list[Any]) -> None:
+        tps = [TP(p.topic, p.partition) for p in partitions]
+        # Held at the end and paused until start() positions them.
+        consumer.assign(_native(tps, ck.OFFSET_END))
+        if partitions:
+            consumer.pause(_native(tps))
+        self.assigned = set(tps)
+        self.rebalancing = False
+        self.on_assigned(tps)
+
+    def _revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        self.rebalancing = True
+        self.on_revoked([TP(p.topic, p.partition) for p in partitions])
+        consumer.unassign()
+        self.assigned = set()
+
+    def start(self, positions: Mapping[TP, int | None]) -> None:
+        if not positions:
+            return
+        try:
+            self.c.assign([ck.TopicPartition(t, p, ck.OFFSET_BEGINNING if o is None else o)
+                           for (t, p), o in positions.items()])
+            self.c.resume(_native(positions))  # paused by _assign
+        except Exception as exc:
+            raise classify(exc) from exc
+        self.assigned = set(positions)
+
+    def seek(self, positions: Mapping[TP, int | None]) -> None:
+        self.start(positions)
+
+    def stable(self) -> bool:
+        return not self.rebalancing
+
+    def commit(self, offsets: Mapping[TP, tuple[int, str]],
+               done: Callable[[ClientError | None], None]) -> Pending:
+        self.busy_until = time.monotonic() + 2.0
+        native = [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()]
+        failure: ClientError | None = None
+        with self.gate:
+            self.waiting += 1
+        try:
+            for item in self.c.commit(offsets=native, asynchronous=False) or ():
+                if item.error is not None:
+                    failure = _error(item.error, f"{item.topic}[{item.partition}]: ")
+                    break
+        except Exception as exc:
+            failure = classify(exc)
+        finally:
+            with self.gate:
+                self.waiting -= 1
+                self.gate.notify_all()
+        done(failure)
+        return _Done(failure)
+
+
+class _Client(Client):
+    name = "confluent"
+
+    def producer(self, settings: Settings) -> Producer:
+        try:
+            return _Producer(settings)
+        except ClientError:
+            raise
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    def admin(self, settings: Settings) -> Admin:
+        try:
+            return _Admin(settings)
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    def reader(self, settings: Settings) -> Reader:
+        return _Reader(settings)
+
+    def member(self, settings: Settings, group: str, topic: str, revoked: Listener,
+               assigned: Listener) -> Member:
+        return _Member(settings, group, topic, revoked, assigned)
+
+
+CLIENT = _Client()

@@ -1,0 +1,558 @@
+"""The Kafka driver: topics, publishing, groups' registry and dead letters."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar, TypeVar
+
+from mqabstract import wire
+from mqabstract.capabilities import Capabilities, Feature, Support
+from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.emulation import dead_letter_from, pick, replay_headers
+from mqabstract.errors import (
+    Closed,
+    ConnectionFailed,
+    InvalidArgument,
+    MessageTooLarge,
+    MQError,
+    NotFound,
+    PublishError,
+    Timeout,
+)
+from mqabstract.model import DeadLetter, Envelope, GroupSpec, GroupStats
+from mqabstract.options import Option, parse_options
+from mqabstract.url import BrokerURL, redact
+
+from . import client as _client
+from .client import TP, Admin, Client, ClientError, Fetched, Kind, Outgoing, Producer, Settings
+from .names import HASHED, REGISTRY, declared_key, internal, kafka_topic_name
+
+__all__ = ["KafkaDriver", "native"]
+
+log = logging.getLogger("mqabstract.kafka")
+
+#: Seconds between a frozen or dead member's eviction (its session after its last heartbeat)
+#: and the first delivery by the partitions' new owner: the join, positioning, a fetch.
+#: Measured up to 0.6 s after the session on a loaded two-core machine; 2.5 s of headroom.
+RELEASE_SLACK = 2.5
+
+R = TypeVar("R")
+
+
+def native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
+    """A client failure as the portable error a public call raises."""
+    if isinstance(exc, MQError):
+        return exc
+    err = exc if isinstance(exc, ClientError) else ClientError(
+        Kind.OTHER, redact(f"{type(exc).__name__}: {exc}"))
+    text = redact(f"{what} on {url.redacted()}: {err}")[:2000]
+    if err.kind is Kind.BAD_SESSION:
+        return InvalidArgument(redact(
+            f"{what} on {url.redacted()}: the broker refuses the consumer session timeout; "
+            "set the option session_timeout_ms (URL query or connect() keyword) within "
+            "the broker's group.min.session.timeout.ms .. group.max.session.timeout.ms "
+            "(Apache Kafka: 6000 .. 1800000 by default), and heartbeat_interval_ms below "
+            "a third of it")[:2000])
+    if err.kind is Kind.TOO_LARGE:
+        return MessageTooLarge(text)
+    if err.kind is Kind.TIMEOUT:
+        return Timeout(text)
+    if err.kind in (Kind.FATAL, Kind.OTHER, Kind.METADATA_TOO_LARGE):
+        return MQError(text)
+    return ConnectionFailed(text)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a background thread should retry after ``exc`` instead of stopping: the
+    broker is unreachable, restarting or moving a coordinator (the same call can work
+    later). A background thread that stopped on such an error would leave the
+    subscription dead for good after the broker came back."""
+    if isinstance(exc, MQError):
+        return exc.retryable
+    if isinstance(exc, ClientError):
+        return exc.retriable
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+class KafkaDriver(Driver):
+    """Kafka through confluent-kafka or kafka-python: topics, partitions, consumer groups,
+    emulated leases. The logic is written once over ``client.py``."""
+
+    name: ClassVar[str] = "kafka"
+
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "client": Option(str, "auto", "confluent, kafka-python, or auto: the fastest installed"),
+        "partitions": Option(int, 4, "partitions of topics this driver creates"),
+        "replication_factor": Option(int, -1, "replication of created topics (-1: broker)"),
+        "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
+        # Apache Kafka refuses sessions below group.min.session.timeout.ms (6000 by default).
+        "session_timeout_ms": Option(int, 6000, "consumer session (broker: 6000 or more)"),
+        "heartbeat_interval_ms": Option(int, 1000, "consumer heartbeat (< session / 3)"),
+        "max_poll_interval_ms": Option(int, 30000, "rebalance timeout of the group"),
+        "metadata_max_age_ms": Option(int, 1000, "how soon new topics reach pattern groups"),
+        "request_timeout_ms": Option(int, 15000, "per request"),
+        "connect_timeout": Option(float, 10.0, "seconds to reach the cluster at open"),
+        "linger_ms": Option(int, 2, "producer batching delay"),
+        "fetch_max_wait_ms": Option(int, 100, "longest a fetch waits for new records"),
+        "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group"),
+        "max_buffered": Option(int, 20000, "records one consumer holds before pausing"),
+        "client_id": Option(str, "mqabstract", "Kafka client id"),
+        "security_protocol": Option(str, None, "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
+        "sasl_mechanism": Option(str, None, "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ..."),
+        "sasl_plain_username": Option(str, None, "SASL user (default: URL user)"),
+        "sasl_plain_password": Option(str, None, "SASL password (default: URL password)"),
+        "ssl_cafile": Option(str, None, "CA bundle"),
+        "ssl_certfile": Option(str, None, "client certificate"),
+        "ssl_keyfile": Option(str, None, "client key"),
+        "ssl_password": Option(str, None, "client key password"),
+        "ssl_check_hostname": Option(bool, True, "verify the broker's host name"),
+    }
+
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities(
+        features={
+            Feature.WILDCARDS: Support.EMULATED,
+            Feature.FANOUT: Support.NATIVE,
+            Feature.COMPETING: Support.NATIVE,
+            Feature.LEASE_EXTEND: Support.EMULATED,
+            Feature.NACK_DELAY: Support.EMULATED,
+            Feature.DELAY: Support.EMULATED,
+            Feature.PRIORITY: Support.UNSUPPORTED,
+            Feature.ORDERING: Support.NATIVE,
+            Feature.DEAD_LETTER: Support.EMULATED,
+            Feature.BATCH: Support.NATIVE,
+        },
+        # Apache's default message.max.bytes is 1 MiB + 12 per batch; keep room for
+        # headers (16 KiB) and ours.
+        max_body_bytes=1_000_000,
+        max_headers=64,
+        max_header_bytes=16 * 1024,
+        # Topics keep records 7 days by default: a delayed record must outlive its delay.
+        max_delay=6 * 86400.0,
+        max_batch=10_000,
+        max_priority=0,
+        max_receive=1000,
+        min_lease=1.0,  # a lease that runs out is a re-publish to the retry topic
+        # A frozen or killed member is evicted one session (6 s) after its last heartbeat,
+        # so at most one session after its lease deadline; its partitions' new owner
+        # delivers after a join (measured: at most 6.1 s after the deadline,
+        # docs/backends/kafka.md). The instance value follows session_timeout_ms.
+        release_margin=RELEASE_SLACK + 6.0,
+        max_consumers_per_group=4,  # the default ``partitions``
+        notes={
+            Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
+            "partitions by priority would only reorder what one consumer has fetched",
+        },
+    )
+
+    def __init__(self, url: BrokerURL, opts: dict[str, Any]) -> None:
+        self.url = url
+        self.opts = opts
+        self.prefix: str = opts["topic_prefix"]
+        self.partitions: int = max(1, opts["partitions"])
+        try:
+            self.client: Client = _client.load(opts["client"])
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        except ImportError as exc:
+            raise InvalidArgument(f"Kafka client {opts['client']!r} is not installed: "
+                                  f"{exc}") from exc
+        self.settings = self._settings(url, opts)
+        self._known: set[str] = set()
+        self._declared: dict[str, int] = {}
+        self.topic_version = 0
+        self._lock = threading.Lock()  # creating clients
+        self._topics_lock = threading.Lock()
+        self._topics_at = float("-inf")
+        self._all_topics: set[str] = set()
+        self._closed = False
+        self._pid = -1
+        self._admin_c: Admin | None = None
+        self._producer_c: Producer | None = None
+        try:
+            self.producer  # noqa: B018 - connect now: a bad URL fails at open
+        except Exception as exc:
+            self.close()
+            raise ConnectionFailed(
+                f"cannot connect to {url.redacted()}: {redact(str(exc))[:300]}") from exc
+        # Instance refinements: competing consumers are bounded by the partitions this
+        # driver creates (retry topics included, whose partitions are the slots); the
+        # release margin follows the session.
+        self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions,
+                             release_margin=opts["session_timeout_ms"] / 1000 + RELEASE_SLACK)
+
+    # -- setup -------------------------------------------------------------------------------
+    @staticmethod
+    def _settings(url: BrokerURL, opts: Mapping[str, Any]) -> Settings:
+        servers = tuple(f"{h}:{p or 9092}" if ":" not in h else f"[{h}]:{p or 9092}"
+                        for h, p in url.hosts) or ("127.0.0.1:9092",)
+        user = opts["sasl_plain_username"] or url.username
+        password = opts["sasl_plain_password"] or url.password
+        protocol = opts["security_protocol"]
+        mechanism = opts["sasl_mechanism"]
+        if user is not None:
+            mechanism = mechanism or "PLAIN"
+            protocol = protocol or "SASL_PLAINTEXT"
+        return Settings(
+            servers=servers, client_id=opts["client_id"],
+            request_timeout_ms=opts["request_timeout_ms"],
+            connect_timeout=opts["connect_timeout"],
+            security_protocol=protocol, sasl_mechanism=mechanism,
+            sasl_username=user, sasl_password=password if user is not None else None,
+            ssl_cafile=opts["ssl_cafile"], ssl_certfile=opts["ssl_certfile"],
+            ssl_keyfile=opts["ssl_keyfile"], ssl_password=opts["ssl_password"],
+            ssl_check_hostname=opts["ssl_check_hostname"], linger_ms=opts["linger_ms"],
+            session_timeout_ms=opts["session_timeout_ms"],
+            heartbeat_interval_ms=opts["heartbeat_interval_ms"],
+            max_poll_interval_ms=opts["max_poll_interval_ms"],
+            fetch_max_wait_ms=opts["fetch_max_wait_ms"],
+        )
+
+    def _fork_check(self) -> None:
+        """Clients belong to the process that made them (their sockets and threads do not
+        survive a fork): a child makes its own on first use."""
+        pid = os.getpid()
+        if pid != self._pid:
+            self._pid = pid
+            self._admin_c = self._producer_c = None
+            self._all_topics, self._topics_at = set(), float("-inf")
+
+    @property
+    def admin(self) -> Admin:
+        with self._lock:
+            self._fork_check()
+            if self._admin_c is None:
+                self._admin_c = self.client.admin(self.settings)
+            return self._admin_c
+
+    @property
+    def producer(self) -> Producer:
+        with self._lock:
+            self._fork_check()
+            if self._producer_c is None:
+                self._producer_c = self.client.producer(self.settings)
+            return self._producer_c
+
+    def _renew_producer(self, failure: ClientError) -> None:
+        """Replace a producer that failed fatally (e.g. its idempotent producer id could not
+        be re-initialised after a broker restart: every later send fails). A new producer
+        gets a new producer id."""
+        if failure.kind is not Kind.FATAL:
+            return
+        with self._lock:
+            old, self._producer_c = self._producer_c, None
+        log.info("kafka: producer renewed after %s", failure.native or failure.kind.value)
+        if old is not None:
+            old.close(0)
+
+    @classmethod
+    def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> KafkaDriver:
+        return cls(url, parse_options(url, options, cls.OPTIONS, cls.name))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def _check(self) -> None:
+        if self._closed:
+            raise Closed(f"broker {self.url.redacted()} is closed")
+
+    def call(self, fn: Callable[..., R], *args: Any, groups: Collection[str] = (),
+             budget: float | None = None) -> R:
+        """One admin call, retried on transient errors until ``request_timeout_ms``.
+
+        Apache Kafka answers group requests with NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS
+        while a ``__consumer_offsets`` partition moves or loads (seen on a busy single node
+        too); the next try looks the coordinator up again.
+        """
+        if budget is None:
+            budget = self.opts["request_timeout_ms"] / 1000
+        deadline = time.monotonic() + budget
+        pause = 0.05
+        while True:
+            try:
+                return fn(*args)
+            except ClientError as exc:
+                if not exc.retriable or time.monotonic() + pause > deadline:
+                    raise
+                log.debug("kafka: %s retried after %s", getattr(fn, "__name__", fn),
+                          exc.native)
+                self.admin.forget_coordinators(groups)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    def topic(self, topic: str) -> str:
+        return kafka_topic_name(topic, self.prefix)
+
+    def retry_topic(self, group: str) -> str:
+        return internal("r", group)
+
+    def dead_topic(self, group: str) -> str:
+        return internal("d", group)
+
+    def topic_names(self) -> set[str]:
+        """Every topic name: the cluster's list at most ``metadata_max_age_ms`` old, shared by
+        this driver's subscriptions (listing all topics costs ~0.1 s on a busy cluster),
+        plus the topics this driver created, at once."""
+        with self._topics_lock:
+            now = time.monotonic()
+            if now - self._topics_at >= self.opts["metadata_max_age_ms"] / 1000:
+                try:
+                    self._all_topics = self.admin.list_topics()
+                except Exception as exc:
+                    raise native(exc, "cannot list topics", self.url) from exc
+                self._topics_at = now
+            return self._all_topics | self._known
+
+    def partitions_for(self, topic: str) -> set[int]:
+        """A topic's partitions (the producer's cached metadata: no full-cluster request)."""
+        return self.producer.partitions(topic) or set()
+
+    def ensure_topics(self, names: Collection[str], partitions: int | None = None,
+                      compact: bool = False) -> None:
+        """Create missing topics (idempotent; an existing topic keeps its partitions)."""
+        missing = [n for n in names if n not in self._known]
+        if not missing:
+            return
+        configs = {"cleanup.policy": "compact"} if compact else {}
+        try:
+            result = self.call(self.admin.create_topics, missing,
+                               partitions or self.partitions,
+                               self.opts["replication_factor"], configs)
+        except Exception as exc:
+            raise native(exc, "cannot create topics", self.url) from exc
+        for name, err in result.items():
+            if err is not None:
+                raise ConnectionFailed(
+                    f"cannot create topic {name!r} on {self.url.redacted()}: {err}")
+        self._known.update(missing)
+        self.topic_version += 1  # our subscriptions look for new matching topics at once
+
+    # -- publishing ----------------------------------------------------------------------------
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        self._check()
+        names = {e.topic: self.topic(e.topic) for e in envelopes}
+        self.ensure_topics(set(names.values()))
+        records = []
+        for env in envelopes:
+            name = names[env.topic]
+            headers = [(k, v.encode()) for k, v in env.headers.items()]
+            headers.append((wire.ID, env.id.encode()))
+            headers.append((wire.PUBLISHED_AT, repr(env.published_at).encode()))
+            if env.deliver_at is not None:
+                headers.append((wire.DELIVER_AT, repr(env.deliver_at).encode()))
+            if name.startswith(HASHED):
+                headers.append((wire.TOPIC, env.topic.encode()))
+            records.append(Outgoing(name, env.body,
+                                    env.key.encode() if env.key is not None else None,
+                                    headers, None, int(env.published_at * 1000)))
+        self.send(records, [e.id for e in envelopes])
+
+    def send(self, records: Sequence[Outgoing], ids: Sequence[str]) -> None:
+        """Write records and wait for every ack; raise naming the ones that failed."""
+        try:
+            results = self.producer.send(records, self.opts["request_timeout_ms"] / 1000 * 2)
+        except Exception as exc:  # the producer could not be made: nothing was sent
+            raise native(exc, "publish failed", self.url) from exc
+        failed: dict[int, MQError] = {}
+        done: list[str] = []
+        fatal: ClientError | None = None
+        for i, err in enumerate(results):
+            if err is None:
+                done.append(ids[i])
+                continue
+            failed[i] = native(err, "publish failed", self.url)
+            fatal = fatal or err
+        if fatal is not None:
+            self._renew_producer(fatal)
+        if failed:
+            if len(records) == 1:
+                raise failed[0]
+            first = next(iter(failed.values()))
+            raise PublishError(f"{len(failed)} of {len(records)} not confirmed: {first}",
+                               published=done, failed=failed)
+
+    def send_one(self, record: Outgoing) -> None:
+        """Write one record and wait for its ack (one record per batch, see ``_read_all``)."""
+        self.send([record], [record.topic])
+
+    # -- groups --------------------------------------------------------------------------------
+    def declare(self, spec: GroupSpec) -> None:
+        self._check()
+        names = [self.retry_topic(spec.name)]
+        words = spec.pattern.split(".")
+        if "*" not in words and "#" not in words:
+            names.append(self.topic(spec.pattern))
+        self.ensure_topics(names)
+        self.ensure_topics([self.dead_topic(spec.name)], partitions=1, compact=True)
+        self.ensure_topics([REGISTRY], partitions=1)
+        self.declared_ms(spec.name, create=True)
+
+    def declared_ms(self, group: str, create: bool = False) -> int | None:
+        """When the group was declared (epoch ms), stored as a committed offset on the
+        registry topic: durable, visible to every process, no extra topic per group.
+
+        It is committed by a shadow group ``<group>..mqa-declared`` that never has members:
+        Apache Kafka refuses an admin offset commit for a group with active members
+        (UNKNOWN_MEMBER_ID), so writing it as the group's own offset fails when another
+        process's consumer is already in the group. Groups declared by older versions have
+        it as the group's own offset: read there when the shadow has none.
+        """
+        if group in self._declared:
+            return self._declared[group]
+        tp = TP(REGISTRY, 0)
+        key = declared_key(group)
+        try:
+            value: int | None = None
+            for name in (key, group):
+                found = self.call(self.admin.group_offsets, name, [tp], groups=(name,))
+                hit = found.get(tp)
+                if hit is not None:
+                    value = hit[0]
+                    break
+            if value is None and create:
+                value = int(time.time() * 1000)
+                self.call(self.admin.set_group_offsets, key, {tp: (value, "")}, groups=(key,))
+        except Exception as exc:
+            raise native(exc, f"cannot read group {group!r}", self.url) from exc
+        if value is not None:
+            self._declared[group] = value
+        return value
+
+    def subscribe(self, spec: GroupSpec) -> DriverSubscription:
+        from .subscription import KafkaSubscription
+
+        self._check()
+        declared = self.declared_ms(spec.name, create=True)
+        assert declared is not None
+        return KafkaSubscription(self, spec, declared)
+
+    def committed(self, group: str, tps: Collection[TP]) -> dict[TP, tuple[int, str] | None]:
+        """The group's committed (offset, checkpoint metadata); None where it has none."""
+        try:
+            return self.call(self.admin.group_offsets, group, tps, groups=(group,))
+        except Exception as exc:
+            raise native(exc, f"cannot read offsets of {group!r}", self.url) from exc
+
+    # -- dead letters ----------------------------------------------------------------------------
+    def _read_all(self, topic: str) -> list[Fetched]:
+        """Every record of a one-partition topic, oldest first, up to its end offset.
+
+        tansu reports a wrong (too low) end offset after a batched produce, so every write
+        to dead-letter topics is a one-record batch (``send_one``); right on Apache Kafka.
+        """
+        reader = None
+        try:
+            reader = self.client.reader(self.settings)
+            tp = TP(topic, 0)
+            reader.assign([tp])
+            reader.seek({tp: None})
+            end = reader.end_offsets([tp])[tp]
+            out: list[Fetched] = []
+            deadline = time.monotonic() + self.opts["request_timeout_ms"] / 1000
+            while reader.position(tp) < end and time.monotonic() < deadline:
+                for recs in reader.poll(0.2, 1000).values():
+                    out.extend(recs)
+            return out
+        except Exception as exc:
+            raise native(exc, f"cannot read {topic}", self.url) from exc
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _dead_entries(self, group: str) -> list[Fetched]:
+        topic = self.dead_topic(group)
+        if topic not in self._known:
+            try:
+                exists = topic in self.admin.list_topics()
+            except Exception as exc:
+                raise native(exc, "cannot list topics", self.url) from exc
+            if not exists:
+                raise NotFound(f"no group {group!r} on {self.url.redacted()}")
+            self._known.add(topic)
+        live: dict[bytes | None, Fetched] = {}
+        for rec in self._read_all(topic):
+            if rec.value is None:  # tombstone: purged or replayed
+                live.pop(rec.key, None)
+            else:
+                live[rec.key] = rec
+        return list(live.values())
+
+    @staticmethod
+    def _headers(rec: Fetched) -> dict[str, bytes]:
+        return {k: v or b"" for k, v in rec.headers or ()}
+
+    def _dead_letter(self, rec: Fetched) -> DeadLetter:
+        headers = self._headers(rec)
+        return dead_letter_from(headers, rec.value or b"",
+                                published_at=rec.timestamp / 1000)
+
+    def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
+        self._check()
+        return [self._dead_letter(r) for r in self._dead_entries(group)[:limit]]
+
+    def _pick(self, group: str, ids: Collection[str] | None) -> list[Fetched]:
+        return pick(self._dead_entries(group), ids,
+                    lambda r: self._headers(r).get(wire.ID, b"").decode("utf-8", "replace"))
+
+    def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        self._check()
+        picked = self._pick(group, ids)
+        retry = self.retry_topic(group)
+        self.ensure_topics([retry])
+        for rec in picked:
+            headers = replay_headers(self._headers(rec))
+            key = headers.pop(wire.KEY, None)
+            headers.pop(wire.HOPS, None)
+            headers[wire.ATTEMPT] = b"0"
+            self.send_one(Outgoing(retry, rec.value, key, list(headers.items())))
+            self.send_one(Outgoing(self.dead_topic(group), None, rec.key, []))
+        return len(picked)
+
+    def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        # Kafka cannot delete single records (and tansu has no delete_records): a purge
+        # writes a tombstone for the entry; the topic is compacted, so Apache Kafka drops
+        # both eventually, and readers skip tombstoned entries at once.
+        self._check()
+        picked = self._pick(group, ids)
+        for rec in picked:
+            self.send_one(Outgoing(self.dead_topic(group), None, rec.key, []))
+        return len(picked)
+
+    def stats(self, group: str) -> GroupStats:
+        self._check()
+        return GroupStats(group, None, None, None, len(self._dead_entries(group)))
+
+    def delete_group(self, group: str) -> None:
+        self._check()
+        topics = [self.retry_topic(group), self.dead_topic(group)]
+        admin = self.admin
+        for call, args in ((admin.delete_topics, topics),
+                           # (..mqa-delivered / ..mqa-takeovers: delivery marks of versions
+                           # before the partition checkpoint)
+                           (admin.delete_groups, [group, declared_key(group),
+                                                  group + "..mqa-delivered",
+                                                  group + "..mqa-takeovers"])):
+            try:
+                call(args)
+            except ClientError as exc:
+                log.debug("kafka: delete_group %s: %s", group, exc)
+        self._known.difference_update(topics)
+        self._declared.pop(group, None)
+        self.producer.forget(topics)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            producer, admin = self._producer_c, self._admin_c
+            self._producer_c = self._admin_c = None
+        if producer is not None:
+            producer.close(5)
+        if admin is not None:
+            admin.close()

@@ -1,0 +1,152 @@
+"""Per-partition bookkeeping of a subscription: offsets, checkpoints, fetched records.
+
+Pure data and logic, no client: the subscription holds its lock around every use.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from typing import NamedTuple
+
+from .client import TP
+
+__all__ = ["CKPT_RANGES", "Checkpoint", "Part", "Rec", "ranges"]
+
+_CKPT = "mq1"
+#: Characters of done-offset ranges in a checkpoint (Apache Kafka keeps commit metadata up
+#: to offset.metadata.max.bytes, 4096 by default).
+CKPT_RANGES = 3000
+
+
+class Checkpoint(NamedTuple):
+    """What the owner of a partition stores with its committed offset (commit metadata).
+
+    ``mark``: records below it were handed to an application (by this owner or earlier
+    ones). ``bump``: attempts the owner adds to records below the mark it inherited.
+    ``deadline``: epoch seconds; no lease on a record below the mark runs past it.
+    ``done``: settled offsets above the committed one (acked, re-published, dead-lettered),
+    as ranges; a subset when it does not fit (those are delivered again, with the bump).
+    """
+
+    mark: int = 0
+    bump: int = 0
+    deadline: float = 0.0
+    done: tuple[tuple[int, int], ...] = ()
+
+    def encode(self, limit: int = CKPT_RANGES) -> str:
+        items: list[str] = []
+        size = 0
+        for a, b in self.done:
+            item = str(a) if a == b else f"{a}-{b}"
+            size += len(item) + 1
+            if size > limit:
+                break
+            items.append(item)
+        return f"{_CKPT} {self.mark} {self.bump} {int(self.deadline * 1000)} {','.join(items)}"
+
+    @classmethod
+    def decode(cls, meta: str | None) -> Checkpoint:
+        words = (meta or "").split(" ")
+        if len(words) != 5 or words[0] != _CKPT:
+            return cls()  # none, or written by a plain client
+        try:
+            done = []
+            for item in filter(None, words[4].split(",")):
+                a, _, b = item.partition("-")
+                done.append((int(a), int(b or a)))
+            return cls(int(words[1]), int(words[2]), int(words[3]) / 1000, tuple(done))
+        except ValueError:
+            return cls()
+
+
+def ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted offsets as inclusive (first, last) runs."""
+    out: list[tuple[int, int]] = []
+    for off in sorted(offsets):
+        if out and off == out[-1][1] + 1:
+            out[-1] = (out[-1][0], off)
+        else:
+            out.append((off, off))
+    return tuple(out)
+
+
+class Part:
+    """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
+
+    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "hold", "inherited",
+                 "mark", "meta", "next_fetch", "order", "revoked_at", "sent_meta")
+
+    def __init__(self, found: tuple[int, str] | None) -> None:
+        committed = found[0] if found is not None else None
+        metadata = found[1] if found is not None else None
+        ckpt = Checkpoint.decode(metadata)
+        self.order: deque[int] = deque()  # fetched offsets not yet committed, in order
+        self.done: set[int] = set()
+        self.committed = committed  # last offset sent in a commit
+        self.confirmed = committed  # last commit the coordinator accepted
+        self.meta = metadata  # sent with ``committed``
+        self.sent_meta = self.meta  # as confirmed
+        self.next_fetch: int | None = None
+        self.mark = max(ckpt.mark, committed or 0)
+        self.deadline = ckpt.deadline
+        self.revoked_at: tuple[int | None, str | None] | None = None
+        # Records below the inherited mark were handed to an application by earlier owners
+        # that did not commit them: one attempt more than any of them gave (bump), not
+        # before the last lease on them ends (hold), except those the checkpoint lists as
+        # settled.
+        if committed is not None and ckpt.mark > committed:
+            self.inherited = ckpt.mark
+            self.bump = ckpt.bump + 1
+            self.hold = ckpt.deadline
+            for a, b in ckpt.done:
+                if b >= committed:
+                    self.done.update(range(max(a, committed), b + 1))
+        else:
+            self.inherited = 0
+            self.bump = 0
+            self.hold = 0.0
+
+    def fetched(self, offset: int) -> None:
+        self.order.append(offset)
+        self.next_fetch = offset + 1
+
+    def commit_point(self) -> int | None:
+        order, done = self.order, self.done
+        while order and order[0] in done:
+            done.discard(order.popleft())
+        if order:
+            return order[0]
+        return self.next_fetch
+
+    def checkpoint(self, limit: int = CKPT_RANGES) -> tuple[int | None, str]:
+        """(offset to commit, metadata)."""
+        point = self.commit_point()
+        if point is None:
+            point = self.committed
+        done = [o for o in self.done if point is None or o >= point]
+        ckpt = Checkpoint(self.mark, self.bump, self.deadline, ranges(done))
+        return point, ckpt.encode(limit)
+
+
+class Rec:
+    """A fetched record on its way to the application."""
+
+    __slots__ = ("body", "deadline", "due", "headers", "hops", "id", "key", "n", "offset",
+                 "published_at", "since", "topic", "tp")
+
+    body: bytes
+    headers: dict[str, str]
+    id: str
+    key: str | None
+    n: int
+    published_at: float
+    topic: str
+
+    def __init__(self, tp: TP, offset: int) -> None:
+        self.tp = tp
+        self.offset = offset
+        self.deadline = 0.0
+        self.since = 0.0
+        self.due = 0.0
+        self.hops = 0

@@ -1,0 +1,1051 @@
+"""A subscription: one consumer of a group, on a group member and a group-less reader."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import random
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from mqabstract import wire
+from mqabstract.driver import DriverSubscription
+from mqabstract.emulation import dead_headers
+from mqabstract.errors import Closed, LeaseExpired, MQError, Timeout
+from mqabstract.model import Delivery, GroupSpec
+from mqabstract.names import topic_matches
+from mqabstract.url import redact
+
+from .client import TP, ClientError, Fetched, Kind, Outgoing, Pending
+from .driver import KafkaDriver, native, transient
+from .names import HASHED, INTERNAL, slot, topic_regex, unescape
+from .state import CKPT_RANGES, Part, Rec
+
+__all__ = ["KafkaSubscription"]
+
+log = logging.getLogger("mqabstract.kafka")
+
+#: Longest a revocation waits for re-publishes in flight (it may run on the client's I/O
+#: thread, so heartbeats wait as long).
+_MOVING_WAIT = 3.0
+
+
+class KafkaSubscription(DriverSubscription):
+    """One consumer of a group, on two consumers owned by two background threads.
+
+    * The *group* consumer (``Member``) is the Kafka consumer-group member. It subscribes
+      to the group's retry topic only, a fixed list: the group rebalances when members
+      come and go, never because a topic matching the pattern appeared. Its retry
+      partitions are this member's *slots*. Its thread does nothing but poll (keeping the
+      membership), take new assignments and commit offsets (for the data partitions too:
+      an offset commit is checked against the member's generation, not its assignment, on
+      Apache Kafka and tansu alike).
+    * The *data* consumer has no group: it is assigned, by hand, the partitions of the
+      topics matching the pattern whose slot (``names.slot``) this member owns, and refreshes
+      that list when topics appear, so a new topic is read from its first message without
+      a rebalance. Its thread also expires leases, releases delayed records and hands
+      idle records to other members.
+
+    Threads: the application calls receive/settles from any thread; ``lock`` guards the
+    state below; ``commit_lock`` orders commits. Settles that write (nack, dead letter,
+    lease expiry) are fenced by a commit first (``_fence``) and retried by the caller.
+    """
+
+    def __init__(self, driver: KafkaDriver, spec: GroupSpec, declared_ms: int) -> None:
+        self.d = driver
+        self.spec = spec
+        self.declared_ms = declared_ms
+        self.retry = driver.retry_topic(spec.name)
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.commit_lock = threading.Lock()  # one commit built and sent at a time
+        self.epoch = 0  # revocations so far (lock held)
+        self.moving = 0  # re-publishes between their fence and their settled mark
+        self.ckpt_limit = CKPT_RANGES  # halved if the broker keeps less commit metadata
+        self.ready: deque[Rec] = deque()
+        self.held: list[tuple[float, int, Rec]] = []
+        self.leased: dict[int, Rec] = {}
+        self.parts: dict[TP, Part] = {}
+        self.suspended: dict[TP, tuple[Part, list[Rec]]] = {}
+        self.pending: set[TP] = set()
+        self.new_assignment: set[TP] | None = None
+        self.slots: set[int] = set()
+        self.slot_version = 0
+        self.tokens = itertools.count(1)
+        self.seq = itertools.count()
+        self.closed = False
+        self.stopping = False
+        self.group_stopping = False
+        self.waiting = 0
+        self.last_receive = time.monotonic()
+        self.paused = False
+        self.assigned_once = threading.Event()
+        self.error: BaseException | None = None
+        self.data_assigned: set[TP] = set()
+        self.applied_version = -1
+        self.topic_version = -1
+        self.next_refresh = 0.0
+        self.matched: set[str] = set()
+        self.partitions: dict[str, set[int]] = {}
+        self.names: dict[str, str] = {}  # Kafka topic -> mqabstract topic
+        opts = driver.opts
+        self.group: Any = None
+        self.data: Any = None
+        try:
+            self.slot_count = len(driver.partitions_for(self.retry)) or 1
+            self.regex = re.compile(topic_regex(spec.pattern, driver.prefix))
+            self.group = driver.client.member(driver.settings, spec.name, self.retry,
+                                              self.revoked, self.assigned)
+            self.group.await_metadata(opts["request_timeout_ms"] / 1000)
+            self.data = driver.client.reader(driver.settings)
+        except Exception as exc:
+            for consumer in (self.group, self.data):
+                if consumer is not None:
+                    consumer.close()
+            raise native(exc, f"cannot join group {spec.name!r}", driver.url) from exc
+        self.group_thread = threading.Thread(
+            target=self._run_group, name=f"mqa-kafka-g-{spec.name}", daemon=True)
+        self.data_thread = threading.Thread(
+            target=self._run_data, name=f"mqa-kafka-d-{spec.name}", daemon=True)
+        self.group_thread.start()
+        self.data_thread.start()
+        # Wait for the first assignment so that consumers subscribed one after another
+        # settle before they receive (fewer rebalances that take in-flight messages away).
+        self.assigned_once.wait(opts["session_timeout_ms"] / 1000 * 3 + 5)
+        if self.error is not None:  # e.g. the broker refused the session timeout
+            failure = self.error
+            self.close()
+            raise native(failure, f"cannot join group {spec.name!r}", driver.url) from failure
+
+    # -- group thread ------------------------------------------------------------------------
+    def _run_group(self) -> None:
+        retry_at = 0.0  # when to position a new assignment again after a failure
+        try:
+            while not self.group_stopping:
+                try:
+                    recs = self.group.poll(0.2, 1000)
+                except Exception as exc:
+                    # A poll can raise the connection error of a coordinator lookup made
+                    # while the broker is down; the same consumer works again once the
+                    # broker is back.
+                    if not transient(exc):
+                        raise
+                    log.info("kafka: group consumer of %s waits for the broker: %s",
+                             self.spec.name, redact(str(exc))[:300])
+                    time.sleep(0.2)
+                    continue
+                if recs:
+                    self._ingest(recs)
+                if self.new_assignment is not None and time.monotonic() >= retry_at:
+                    try:
+                        self._take_assignment()
+                    except Exception as exc:
+                        if not transient(exc):
+                            raise
+                        # The broker is restarting: keep polling (heartbeats, the join)
+                        # and position the assignment once it answers again.
+                        log.info("kafka: assignment of %s not positioned yet: %s",
+                                 self.spec.name, redact(str(exc))[:300])
+                        retry_at = time.monotonic() + 0.5
+                self._commit(sync=False)
+        except Exception as exc:
+            log.warning("kafka: group consumer of %s stopped: %s", self.spec.name,
+                        redact(str(exc)))
+            self.error = exc
+        finally:
+            try:
+                self._commit(sync=True)
+            except Exception as exc:
+                log.debug("kafka: last commit of %s failed: %s", self.spec.name, exc)
+            self.group.close()
+            with self.cv:
+                self.cv.notify_all()
+            self.assigned_once.set()
+
+    # -- checkpoints (offset commits) -------------------------------------------------------
+    def _commit(self, sync: bool) -> None:
+        """The group thread's commit: asynchronous between polls, synchronous at the end."""
+        if sync:
+            try:
+                self._fence(self.d.opts["request_timeout_ms"] / 1000)
+            except MQError as exc:
+                log.debug("kafka: final commit of %s: %s", self.spec.name, exc)
+        else:
+            self._send_checkpoints(None)
+
+    def _checkpoints(self, force: Collection[TP]) -> dict[TP, tuple[int, str]]:
+        """The checkpoints that changed since last sent, plus those of ``force``."""
+        offsets: dict[TP, tuple[int, str]] = {}
+        with self.lock:
+            for tp, part in self.parts.items():
+                point, meta = part.checkpoint(self.ckpt_limit)
+                if point is None:
+                    continue
+                if point != part.committed or meta != part.meta or tp in force:
+                    offsets[tp] = (point, meta)
+                    part.committed, part.meta = point, meta
+        return offsets
+
+    def _schedule(self, force: Collection[TP], patience: float = -1) -> Pending | None:
+        """Send the changed checkpoints (plus those of ``force``) as one commit; None when
+        there was nothing to send (or ``commit_lock`` was not free within ``patience``).
+
+        Built and sent under ``commit_lock``: commits go out in the order their contents
+        were read, so a later commit never carries an older mark. A client may commit
+        synchronously under it (confluent-kafka), so a rebalance listener, which can run
+        inside the poll such a commit waits for, passes a ``patience``.
+        """
+        if not self.commit_lock.acquire(timeout=patience):
+            return None
+        try:
+            offsets = self._checkpoints(force)
+            if not offsets:
+                return None
+            return self.group.commit(  # type: ignore[no-any-return]
+                offsets, lambda err: self._committed(offsets, err))
+        finally:
+            self.commit_lock.release()
+
+    def _send_checkpoints(self, force: Collection[TP] | None, patience: float = -1) -> None:
+        """Commit changed checkpoints, not waiting for the outcome where the client lets
+        us (a failed one is sent again with the next)."""
+        try:
+            self._schedule(force or (), patience)
+        except ClientError as exc:
+            log.debug("kafka: commit of %s not sent: %s", self.spec.name, exc)
+
+    def _fence(self, budget: float, force: Collection[TP] = ()) -> None:
+        """Commit the checkpoints (changed ones and those of ``force``) and wait for them.
+
+        An offset commit is validated against the member id and generation: when it
+        succeeds, this consumer was a current member of the group, so nobody else owns
+        these partitions, and whoever takes them over later reads these checkpoints (its
+        assignment comes after this commit). It is the proof required before records are
+        handed out or re-published: a consumer that was frozen past its session, or lost
+        the partitions in a rebalance it has not seen yet, gets ``Kind.FENCED`` here.
+
+        Raises ``LeaseExpired`` when membership is lost or a rebalance is under way,
+        ``Timeout`` / ``ConnectionFailed`` when the coordinator does not answer in time.
+        """
+        if not self.group.stable():
+            raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
+        try:
+            sent = self._schedule(force)
+        except ClientError as exc:
+            raise native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
+        if sent is None:
+            return
+        err = sent.wait(max(0.05, budget))
+        if err is None:
+            return
+        if err.kind is Kind.TIMEOUT:
+            raise Timeout(f"commit of {self.spec.name!r} not confirmed within {budget:.2f}s")
+        if err.kind is Kind.METADATA_TOO_LARGE:
+            # offset.metadata.max.bytes below Apache Kafka's default 4096: list fewer
+            # settled ranges (the rest is delivered again after a takeover).
+            self.ckpt_limit //= 2
+        if err.kind is Kind.FENCED:
+            raise LeaseExpired(f"consumer of {self.spec.name!r} is no longer a member of the "
+                               f"current generation: {err.native}") from err
+        raise native(err, f"commit of {self.spec.name!r} failed", self.d.url) from err
+
+    def _committed(self, offsets: Mapping[TP, tuple[int, str]], error: ClientError | None
+                   ) -> None:
+        """A commit landed, or failed (e.g. during a rebalance: sent again with the next)."""
+        with self.lock:
+            for tp, sent in offsets.items():
+                if error is not None:
+                    part = self.parts.get(tp)
+                    if part is not None and (part.committed, part.meta) == sent:
+                        part.committed, part.meta = part.confirmed, part.sent_meta
+                    continue
+                part = self.parts.get(tp) or self.suspended.get(tp, (None, None))[0]
+                if part is not None:
+                    part.confirmed, part.sent_meta = sent
+
+    # -- rebalance (group consumer) -------------------------------------------------------
+    def revoked(self, revoked: Collection[TP]) -> None:
+        """The member's listener: slots are going (before the rejoin)."""
+        slots = {tp.partition for tp in revoked if tp.topic == self.retry}
+        with self.cv:
+            # Re-publishes that passed their fence finish first, so that the checkpoint
+            # below lists their originals as settled (else the next owner delivers the
+            # original with the attempt the copy has). Later ones see the new epoch and
+            # write nothing. This may block the client's I/O thread (heartbeats) for at
+            # most _MOVING_WAIT; the writes go through the producer, not this consumer.
+            self.epoch += 1
+            end = time.monotonic() + _MOVING_WAIT
+            while self.moving and time.monotonic() < end:
+                self.cv.wait(max(0.001, end - time.monotonic()))
+            gone = {tp for tp in self.parts
+                    if tp in set(revoked)
+                    or (tp.topic != self.retry and slot(tp, self.slot_count) in slots)}
+        # Scheduled here, in the listener: sent before the JoinGroup that follows; if it
+        # fails, the next owner re-delivers (attempt + 1).
+        log.debug("kafka: %s revoked %s", self.spec.name, sorted(gone))
+        self._send_checkpoints(gone, patience=0.2)
+        with self.cv:
+            for tp in gone:
+                part = self.parts.pop(tp, None)
+                if part is None:
+                    continue
+                stash = [r for r in self.ready if r.tp == tp]
+                stash += [r for _, _, r in self.held if r.tp == tp]
+                part.revoked_at = (part.committed, part.meta)
+                self.suspended[tp] = (part, stash)
+            self.ready = deque(r for r in self.ready if r.tp not in gone)
+            self.held = [h for h in self.held if h[2].tp not in gone]
+            heapq.heapify(self.held)
+            self.slots -= slots
+            self.slot_version += 1
+
+    def assigned(self, assigned: Collection[TP]) -> None:
+        """The member's listener: only bookkeeping (the member keeps new partitions paused);
+        the group thread positions them (``_take_assignment``)."""
+        log.debug("kafka: %s assigned %s", self.spec.name, sorted(assigned))
+        with self.lock:
+            self.new_assignment = set(assigned)
+
+    def _take_assignment(self) -> None:
+        with self.lock:
+            assigned, self.new_assignment = self.new_assignment, None
+            epoch = self.epoch
+        if assigned is None:
+            return
+        try:
+            committed = self.d.committed(self.spec.name, assigned) if assigned else {}
+        except Exception:
+            with self.lock:  # retried by the group thread unless a newer one came
+                if self.new_assignment is None:
+                    self.new_assignment = assigned
+            raise
+        adopted = self._adopt(assigned, committed, epoch=epoch)
+        if adopted is None:
+            return  # revoked again meanwhile: the next assignment follows
+        fresh, positions = adopted
+        for tp in fresh:  # the retry topic belongs to the group: from its beginning
+            found = committed.get(tp)
+            positions[tp] = found[0] if found is not None else None
+        self.group.start(positions)
+        with self.cv:
+            self._forget_suspended([t for t in self.suspended
+                                    if t.topic == self.retry and t not in assigned])
+            self.slots = {tp.partition for tp in assigned}
+            self.slot_version += 1
+            self.cv.notify_all()
+
+    def _forget_suspended(self, tps: Collection[TP]) -> None:
+        """Partitions that went to another member for good (lock held): their leases are
+        stale, the new owner redelivers from the committed offset."""
+        gone = set(tps)
+        for tp in gone:
+            self.suspended.pop(tp, None)
+        if gone:
+            for token, rec in list(self.leased.items()):
+                if rec.tp in gone:
+                    del self.leased[token]
+
+    def _adopt(self, assigned: Collection[TP], committed: Mapping[TP, tuple[int, str] | None],
+               epoch: int | None = None, version: int | None = None
+               ) -> tuple[list[TP], dict[TP, int | None]] | None:
+        """Take partitions over: keep our in-flight state where nobody committed since we
+        had them (the stored checkpoint is still the one we sent: another owner that handed
+        anything out would have committed its own first). Returns the partitions that need
+        a start position (a fresh partition starts from its checkpoint, ``Part``) and the
+        positions of those taken back.
+
+        None, adopting nothing, when the assignment is stale: revoked again (``epoch``) or
+        the slots changed (``version``) since it was read. Adopting it would make this
+        member hand out records of partitions another member owns: the coordinator checks
+        commits against the generation, not the assignment."""
+        fresh: list[TP] = []
+        back: dict[TP, int | None] = {}
+        with self.cv:
+            if ((epoch is not None and epoch != self.epoch)
+                    or (version is not None and version != self.slot_version)):
+                return None
+            now = time.time()
+            for tp in assigned:
+                found = committed.get(tp)
+                stored = found if found is not None else (None, None)
+                old = self.suspended.pop(tp, None)
+                if old is not None and old[0].next_fetch and stored in (
+                        old[0].revoked_at, (old[0].confirmed, old[0].sent_meta)):
+                    log.debug("kafka: %s takes %s back (checkpoint %s)", self.spec.name,
+                              tp, stored)
+                    part, stash = old
+                    if stored != (part.committed, part.meta):
+                        part.committed, part.meta = stored
+                    self.parts[tp] = part
+                    back[tp] = part.next_fetch
+                    for rec in stash:
+                        if rec.due > now:
+                            heapq.heappush(self.held, (rec.due, next(self.seq), rec))
+                        else:
+                            self.ready.append(rec)
+                    continue
+                self.parts[tp] = Part(found)
+                log.debug("kafka: %s takes %s over (checkpoint %s)", self.spec.name, tp,
+                          stored)
+                fresh.append(tp)
+            # Leases on partitions that are not ours any more are stale now.
+            for token, rec in list(self.leased.items()):
+                if rec.tp in fresh:
+                    del self.leased[token]
+            self.cv.notify_all()
+        return fresh, back
+
+    # -- data thread --------------------------------------------------------------------------
+    def _run_data(self) -> None:
+        pause = 0.0  # back-off while the broker does not answer
+        try:
+            while not self.stopping:
+                if pause:
+                    with self.cv:
+                        if not self.stopping:
+                            self.cv.wait(pause)
+                try:
+                    self._refresh_data()
+                    self._tick()
+                    if not self.data_assigned:
+                        wait = min(0.2, self._poll_ms() / 1000)
+                        with self.cv:
+                            if not self.stopping:
+                                self.cv.wait(wait)
+                        pause = 0.0
+                        continue
+                    recs = self.data.poll(self._poll_ms() / 1000, 1000)
+                    if recs:
+                        self._ingest(recs)
+                    pause = 0.0
+                except Exception as exc:
+                    # A broker restart or outage: retry; the subscription recovers with
+                    # the broker (the same object, as the contract requires).
+                    if not transient(exc):
+                        raise
+                    if not pause:
+                        log.info("kafka: consumer of %s waits for the broker: %s",
+                                 self.spec.name, redact(str(exc))[:300])
+                    pause = min(max(pause * 2, 0.1), 2.0)
+        except Exception as exc:
+            log.warning("kafka: consumer of %s stopped: %s", self.spec.name, redact(str(exc)))
+            self.error = exc
+        finally:
+            self.data.close()
+            with self.cv:
+                self.cv.notify_all()
+            self.assigned_once.set()
+
+    def _refresh_data(self) -> None:
+        """Assign the data consumer the matching partitions of our slots.
+
+        Pattern matching is ours (a new matching topic must not rebalance the group, and
+        kafka-python 3.0's pattern subscription can hang in ``poll``). The topic list is read
+        every ``metadata_max_age_ms``, and at once when this process created a topic.
+        """
+        now = time.monotonic()
+        with self.lock:
+            version, slots = self.slot_version, set(self.slots)
+        topics_changed = self.d.topic_version != self.topic_version
+        if version == self.applied_version and now < self.next_refresh and not topics_changed:
+            return
+        if now >= self.next_refresh or topics_changed:
+            self.topic_version = self.d.topic_version
+            self.next_refresh = now + self.d.opts["metadata_max_age_ms"] / 1000
+            self.matched = {t for t in self.d.topic_names()
+                            if self.regex.match(t) and not t.startswith(INTERNAL)}
+        wanted: set[TP] = set()
+        for topic in self.matched:
+            parts = self.partitions.get(topic)
+            if not parts:
+                # The producer's per-topic metadata: no full-cluster metadata request.
+                parts = self.partitions[topic] = self.d.partitions_for(topic)
+            for p in parts:
+                tp = TP(topic, p)
+                if slot(tp, self.slot_count) in slots:
+                    wanted.add(tp)
+        new = wanted - self.data_assigned
+        with self.lock:
+            # A rebalance may revoke and give back a slot between two refreshes (a fast
+            # join: one poll of the group thread): its data partitions stay assigned to
+            # the data consumer but were suspended (no longer in ``parts``). Adopt them
+            # again, or their records are dropped and their leases never expire.
+            if version == self.slot_version:
+                new |= {tp for tp in wanted & self.data_assigned if tp not in self.parts}
+        if wanted != self.data_assigned:
+            with self.cv:
+                for tp in self.data_assigned - wanted:
+                    self.parts.pop(tp, None)
+                self.ready = deque(r for r in self.ready
+                                   if r.tp.topic == self.retry or r.tp in wanted)
+                # Leases on partitions revoked for a rebalance (suspended) stay: the
+                # partition may come back with them.
+                for token, rec in list(self.leased.items()):
+                    if (rec.tp.topic != self.retry and rec.tp not in wanted
+                            and rec.tp not in self.suspended):
+                        del self.leased[token]
+            self.data.assign(wanted)
+            self.data_assigned = wanted
+            if self.paused and wanted:
+                self.data.pause(wanted)
+        if new:
+            try:
+                committed = self.d.committed(self.spec.name, new)
+                fresh, positions = self._adopt(new, committed, version=version) or ([], {})
+                start = []
+                for tp in fresh:
+                    found = committed.get(tp)
+                    if found is not None:
+                        positions[tp] = found[0]
+                    else:
+                        start.append(tp)
+                if start:
+                    positions.update(self._start_offsets(start))
+                self.data.seek(positions)
+            except Exception:
+                # Not positioned (broker away): unassign them, so that they are neither
+                # read from a wrong offset nor left out; the next refresh tries again.
+                with self.cv:
+                    for tp in new:
+                        self.parts.pop(tp, None)
+                    self.ready = deque(r for r in self.ready if r.tp not in new)
+                    self.held = [h for h in self.held if h[2].tp not in new]
+                    heapq.heapify(self.held)
+                self.data_assigned = wanted - new
+                self.data.assign(self.data_assigned)
+                raise
+        with self.cv:
+            # Suspended data partitions that did not come back went to another member.
+            if version == self.slot_version and slots:
+                self._forget_suspended([t for t in self.suspended
+                                        if t.topic != self.retry and t not in wanted])
+        self.applied_version = version
+        if version > 0 and slots:
+            self.assigned_once.set()
+
+    def _start_offsets(self, tps: Collection[TP]) -> dict[TP, int | None]:
+        """Where a group starts on partitions it never committed: its declaration time.
+
+        The first record at or after the declaration (``offsets_for_times``). When there
+        is none, every record present is older, so the group starts at the end offset
+        read *before* that query: a record written in between is not skipped (a lazy
+        ``seek_to_end`` would skip it). tansu may report an end that is too low after a
+        batched produce: that only makes us read older records, which ``_decode`` drops
+        by timestamp, so this is right on Apache Kafka and on tansu.
+        """
+        ends = self.data.end_offsets(tps)
+        found = self.data.offsets_for_times(tps, self.declared_ms)
+        out: dict[TP, int | None] = {}
+        for tp in tps:
+            hit = found.get(tp)
+            out[tp] = hit if hit is not None else ends.get(tp, 0)
+        return out
+
+    def _poll_ms(self) -> int:
+        """Sleep in poll until the next due record, lease end or hand-off check."""
+        now = time.time()
+        wake = now + 0.2
+        with self.lock:
+            if self.held:
+                wake = min(wake, self.held[0][0])
+            for rec in self.leased.values():
+                # (an expired lease on a suspended partition waits for the assignment)
+                wake = min(wake, max(rec.deadline, now + 0.05))
+            if self.ready and not self.waiting:
+                wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
+        return int(max(0.005, wake - now) * 1000)
+
+    def _tick(self) -> None:
+        now = time.time()
+        expired: list[Rec] = []
+        handoff: list[Rec] = []
+        with self.cv:
+            for token, rec in list(self.leased.items()):
+                if rec.deadline <= now:
+                    if rec.tp in self.parts:
+                        del self.leased[token]
+                        expired.append(rec)
+                    elif rec.tp not in self.suspended:
+                        del self.leased[token]  # the partition moved: its owner redelivers
+                    # else: revoked for a rebalance; decided when the assignment settles
+            released = False
+            while self.held and self.held[0][0] <= now:
+                _, _, rec = heapq.heappop(self.held)
+                if rec.tp in self.parts:
+                    rec.since = time.monotonic()
+                    self.ready.append(rec)
+                    released = True
+            if released:
+                self.cv.notify_all()
+            handoff = self._pick_handoff()
+            for rec in handoff:
+                part = self.parts.get(rec.tp)
+                if part is not None and rec.offset + 1 > part.mark:
+                    # Counted as handed out: if we die before the original is committed
+                    # done, its next owner gives it an attempt above the copy's.
+                    part.mark = rec.offset + 1
+            buffered = len(self.ready) + len(self.held)
+        if expired or handoff:
+            expired, handoff = self._fence_tick(expired, handoff)
+        if expired or handoff:
+            try:
+                self._move(expired, handoff)
+            finally:
+                self._end_move()
+            self._send_checkpoints(None)  # the originals are done: a takeover skips them
+        limit = self.d.opts["max_buffered"]
+        if buffered > limit and not self.paused and self.data_assigned:
+            self.data.pause(self.data_assigned)
+            self.paused = True
+        elif buffered <= limit // 2 and self.paused:
+            self.data.resume(self.data_assigned)
+            self.paused = False
+
+    def _fence_tick(self, expired: list[Rec], handoff: list[Rec]
+                    ) -> tuple[list[Rec], list[Rec]]:
+        """Before re-publishing expired leases or handing records off: ``_fence``. A
+        consumer woken from a freeze longer than its session still has its old leases and
+        buffers; its partitions' new owner redelivers those records from the checkpoint,
+        so a copy written here would repeat an attempt. On failure nothing is written: the
+        leases are kept (tried again shortly, or dropped when the partition turns out to
+        have moved) and the hand-offs go back to the ready queue."""
+        budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
+        with self.lock:
+            epoch = self.epoch
+        try:
+            self._fence(budget, force={rec.tp for rec in (*expired, *handoff)})
+            if not self._begin_move(epoch):
+                raise LeaseExpired("a rebalance began")
+        except MQError as exc:
+            log.info("kafka: %d records of %s not re-published: %s",
+                     len(expired) + len(handoff), self.spec.name, redact(str(exc))[:300])
+            with self.cv:
+                retry_at = time.time() + 0.5
+                for rec in expired:
+                    if rec.tp in self.parts or rec.tp in self.suspended:
+                        rec.deadline = retry_at
+                        self.leased[next(self.tokens)] = rec
+                mono = time.monotonic()
+                for rec in reversed(handoff):
+                    if rec.tp in self.parts:
+                        rec.since = mono
+                        self.ready.appendleft(rec)
+                self.cv.notify_all()
+            return [], []
+        return expired, handoff
+
+    def _begin_move(self, epoch: int) -> bool:
+        """After a successful ``_fence``: count a re-publish in flight, unless a revocation
+        began since ``epoch`` (then write nothing). ``revoked`` waits for those counted."""
+        with self.cv:
+            if self.epoch != epoch:
+                return False
+            self.moving += 1
+            return True
+
+    def _end_move(self) -> None:
+        with self.cv:
+            self.moving -= 1
+            self.cv.notify_all()
+
+    def _move(self, expired: list[Rec], handoff: list[Rec]) -> None:
+        for rec in expired:  # the lease ran out: redeliver with attempt + 1
+            try:
+                self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
+            except MQError:
+                self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
+        for rec in handoff:
+            try:
+                self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
+            except MQError:
+                with self.cv:  # stays here, ready again
+                    rec.n += 1  # the write may have landed: never the same attempt twice
+                    if rec.tp in self.parts:
+                        rec.since = time.monotonic()
+                        self.ready.append(rec)
+                        self.cv.notify_all()
+
+    def _pick_handoff(self) -> list[Rec]:
+        """Ready records nobody here asks for go to another consumer of the group.
+
+        A Kafka partition belongs to one consumer; if that consumer stops receiving (busy,
+        hung), its fetched records would wait. After ``handoff_ms`` without a receive they
+        are re-published to a retry partition owned by another member (back-off doubles
+        per hop, so idle groups do not ping-pong).
+        """
+        if not self.ready or self.waiting or not self._other_retry_partitions():
+            return []
+        now = time.monotonic()
+        base = self.d.opts["handoff_ms"] / 1000
+        if now - self.last_receive < base:
+            return []
+        out = [r for r in self.ready if now - r.since >= base * (2 ** min(r.hops, 6))]
+        if out:
+            ids = {id(r) for r in out}
+            self.ready = deque(r for r in self.ready if id(r) not in ids)
+        return out
+
+    def _other_retry_partitions(self) -> list[int]:
+        parts = self.d.partitions_for(self.retry)
+        mine = {tp.partition for tp in self.parts if tp.topic == self.retry}
+        return sorted(set(parts) - mine)
+
+    def _ingest(self, batches: Mapping[TP, list[Fetched]]) -> None:
+        now = time.time()
+        mono = time.monotonic()
+        added = False
+        with self.cv:
+            for tp, records in batches.items():
+                part = self.parts.get(tp)
+                if part is None or tp in self.pending:
+                    continue  # a pending partition is positioned, then fetched again
+                retry = tp.topic == self.retry
+                inherited = part.inherited
+                for r in records:
+                    part.fetched(r.offset)
+                    if r.offset < inherited and r.offset in part.done:
+                        continue  # settled by an earlier owner (its checkpoint says so)
+                    rec = self._decode(tp, r, retry)
+                    if rec is None:
+                        part.done.add(r.offset)
+                        continue
+                    if r.offset < inherited:
+                        # Handed to an application by owners that died, froze or lost the
+                        # partition before settling it: one attempt more than any of them
+                        # gave, and not before the last of their leases ends.
+                        rec.n += part.bump
+                        rec.due = max(rec.due, min(part.hold, now + self.d.capabilities.max_lease))
+                    if rec.due > now:
+                        heapq.heappush(self.held, (rec.due, next(self.seq), rec))
+                    else:
+                        rec.since = mono
+                        self.ready.append(rec)
+                        added = True
+            if added:
+                self.cv.notify_all()
+
+    def _decode(self, tp: TP, r: Any, retry: bool) -> Rec | None:
+        headers: dict[str, str] = {}
+        meta: dict[str, str] = {}
+        for k, v in r.headers or ():
+            if k.startswith(wire.PREFIX):
+                meta[k] = v.decode("utf-8", "replace") if v else ""
+            else:
+                headers[k] = v.decode("utf-8", "replace") if v else ""
+        if retry:
+            topic = meta.get(wire.TOPIC, "")
+        else:
+            if r.timestamp < self.declared_ms:
+                # Published before the group existed. Also what makes a too-low start
+                # offset harmless (tansu's end offsets after batched produce).
+                return None
+            if tp.topic.startswith(HASHED):
+                topic = meta.get(wire.TOPIC, "")
+                if not topic or not topic_matches(self.spec.pattern, topic):
+                    return None
+            else:
+                known = self.names.get(tp.topic)
+                if known is None:
+                    known = self.names[tp.topic] = unescape(tp.topic[len(self.d.prefix):])
+                topic = known
+        rec = Rec(tp, r.offset)
+        rec.topic = topic
+        rec.body = r.value if r.value is not None else b""
+        rec.headers = headers
+        rec.key = (meta.get(wire.KEY) if retry else
+                   r.key.decode("utf-8", "replace") if r.key is not None else None)
+        if retry and rec.key is None and r.key is not None:
+            rec.key = r.key.decode("utf-8", "replace")
+        rec.id = meta.get(wire.ID) or f"{tp.topic}-{tp.partition}-{r.offset}"
+        try:
+            ts = meta.get(wire.PUBLISHED_AT)
+            rec.published_at = float(ts) if ts is not None else r.timestamp / 1000
+            rec.n = int(meta.get(wire.ATTEMPT, "0"))
+            rec.due = float(meta[wire.DELIVER_AT]) if wire.DELIVER_AT in meta else 0.0
+            rec.hops = int(meta.get(wire.HOPS, "0"))
+        except ValueError:
+            rec.published_at, rec.n, rec.due = r.timestamp / 1000, 0, 0.0
+        return rec
+
+    # -- application side ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise Closed(f"subscription to group {self.spec.name!r} is closed")
+        if self.error is not None:
+            raise native(self.error, f"consumer of {self.spec.name!r} failed", self.d.url)
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Hand out ready records, after a fenced commit of their partitions' checkpoints.
+
+        The commit (``_fence``) stores the new delivery mark and lease deadline and the
+        acks so far, and succeeds only while this consumer is a current member of the
+        group: a consumer woken from a freeze longer than its session, or one that lost the
+        partitions in a rebalance it has not seen yet, hands out nothing from its buffers
+        (they go back, and are dropped when the revocation arrives). Bounded by a quarter
+        lease: the portable layer's lease clock started at the call.
+        """
+        started = time.monotonic()
+        deadline = started + timeout
+        while True:
+            picked: list[tuple[int, Rec]] = []
+            with self.cv:
+                self._check_open()
+                self.waiting += 1
+                try:
+                    while not self.ready:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self.closed or self.error is not None:
+                            break
+                        self.cv.wait(left)
+                    lease_until = time.time() + self.spec.lease
+                    epoch = self.epoch
+                    while self.ready and len(picked) < max_messages:
+                        rec = self.ready.popleft()
+                        part = self.parts.get(rec.tp)
+                        if part is None:
+                            continue
+                        token = next(self.tokens)
+                        rec.deadline = lease_until
+                        self.leased[token] = rec
+                        if rec.offset + 1 > part.mark:
+                            part.mark = rec.offset + 1
+                        if lease_until > part.deadline:
+                            part.deadline = lease_until
+                        picked.append((token, rec))
+                finally:
+                    self.waiting -= 1
+                    self.last_receive = time.monotonic()
+            if not picked:
+                return []
+            budget = min(max(self.spec.lease / 4, 0.25), self.d.opts["request_timeout_ms"] / 1000)
+            try:
+                self._fence(budget, force={rec.tp for _, rec in picked})
+                with self.lock:
+                    if self.epoch != epoch:
+                        # Revoked between the pick and the commit: the commit may not have
+                        # carried these partitions (no longer ours to commit), so it proves
+                        # nothing for them.
+                        raise LeaseExpired("a rebalance began during the receive")
+                if time.monotonic() - started > self.spec.lease * 3 / 4:
+                    # Frozen (or stalled) before or after the fence: the lease, counted by
+                    # the portable layer from the call, is (nearly) over and the partition
+                    # may have a new owner already. Hand nothing out (the records are
+                    # covered by the mark just committed: attempt + 1 when delivered);
+                    # the portable layer's next call starts a lease of its own.
+                    deadline = 0.0
+                    raise LeaseExpired("the receive call outlived 3/4 of the lease")
+            except MQError as exc:
+                log.info("kafka: %d records of %s not handed out: %s", len(picked),
+                         self.spec.name, redact(str(exc))[:300])
+                with self.cv:
+                    back = []
+                    for token, rec in picked:
+                        self.leased.pop(token, None)
+                        if rec.tp in self.parts:
+                            back.append(rec)
+                        elif rec.tp in self.suspended:
+                            self.suspended[rec.tp][1].append(rec)
+                    self.ready.extendleft(reversed(back))
+                    left = deadline - time.monotonic()
+                    if left > 0:
+                        self.cv.wait(min(0.1, left))
+                if time.monotonic() >= deadline:
+                    return []
+                continue
+            return [Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0, rec.n + 1,
+                             rec.published_at, token) for token, rec in picked]
+
+    def _fence_for(self, rec: Rec, move: bool = True) -> None:
+        """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter: ``move``,
+        then ``_end_move`` after the write) or extends its lease: wait out a rebalance
+        within the lease; ``LeaseExpired`` when the partition is not ours any more."""
+        end = time.monotonic() + min(max(0.5, rec.deadline - time.time()),
+                                     self.d.opts["request_timeout_ms"] / 1000)
+        while True:
+            with self.lock:
+                owned = rec.tp in self.parts
+                suspended = rec.tp in self.suspended
+                epoch = self.epoch
+            if not owned and not suspended:
+                raise LeaseExpired(f"message {rec.id}: its partition moved to another "
+                                   "consumer of the group")
+            left = end - time.monotonic()
+            if owned and self.group.stable():  # (kafka-python's lock: not under ours)
+                self._fence(max(0.05, left), force={rec.tp})
+                if not move or self._begin_move(epoch):
+                    return
+                continue  # a revocation began: wait for the assignment
+            if left <= 0:
+                raise LeaseExpired(f"message {rec.id}: group {self.spec.name!r} is "
+                                   "rebalancing")
+            with self.cv:
+                self.cv.wait(min(0.05, left))
+
+    def _settle(self, token: Any) -> Rec | None:
+        with self.lock:
+            return self.leased.pop(token, None)
+
+    def _done(self, rec: Rec) -> None:
+        with self.lock:
+            part = self.parts.get(rec.tp)
+            if part is None:
+                part = self.suspended.get(rec.tp, (None, None))[0]
+            if part is not None:
+                part.done.add(rec.offset)
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        with self.lock:
+            for token in receipts:
+                rec = self.leased.pop(token, None)
+                if rec is None:
+                    continue  # stale: the lease expired or the partition moved
+                part = self.parts.get(rec.tp) or self.suspended.get(rec.tp, (None, None))[0]
+                if part is not None:
+                    part.done.add(rec.offset)
+
+    def _relapse(self, rec: Rec, token: Any, deadline: float) -> None:
+        """A re-publish or dead-letter write of a settled record failed (broker away):
+        lease it again, so that it is retried when the lease runs out (or by the caller
+        with the same receipt) instead of waiting for a rebalance. The failed write may
+        have landed all the same, so the next one counts one more delivery: attempts may
+        skip a number, never repeat."""
+        with self.cv:
+            rec.n += 1
+            if rec.tp in self.parts or rec.tp in self.suspended:
+                rec.deadline = deadline
+                self.leased[token if token is not None else next(self.tokens)] = rec
+
+    def _keep(self, rec: Rec, token: Any) -> None:
+        """A settle that was refused before anything was written (``_fence_for`` failed):
+        the record stays leased under its receipt; when the lease runs out it is
+        re-published (if the partition is still ours) or left to the new owner."""
+        with self.cv:
+            if rec.tp in self.parts or rec.tp in self.suspended:
+                self.leased[token] = rec
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        rec = self._settle(receipt)
+        if rec is None:
+            return
+        try:
+            # A consumer woken from a freeze (or that lost the partition) must not write a
+            # copy: the partition's new owner delivers the original with the same attempt.
+            self._fence_for(rec)
+        except MQError:
+            self._keep(rec, receipt)
+            raise
+        try:
+            self._requeue(rec, rec.n + 1, delay)
+        except MQError:
+            self._relapse(rec, receipt, rec.deadline)
+            raise
+        finally:
+            self._end_move()
+        self._send_checkpoints(None)  # the original is done: a takeover skips it
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        """Renew a lease. A longer deadline than the partition's checkpoint records is
+        committed (fenced) first: a new owner of the partition (after a freeze or a
+        rebalance) holds the record until then. On failure the lease is not renewed."""
+        until = time.time() + seconds
+        with self.lock:
+            rec = self.leased.get(receipt)
+            if rec is None:
+                return  # stale: the lease expired or the partition moved
+            part = self.parts.get(rec.tp)
+            if part is not None and part.deadline >= until:
+                rec.deadline = until
+                return
+            if part is not None:
+                part.deadline = until
+        self._fence_for(rec, move=False)
+        with self.lock:
+            if self.leased.get(receipt) is rec:
+                rec.deadline = until
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        rec = self._settle(receipt)
+        if rec is None:
+            return
+        headers = self._copy_headers(rec)
+        headers += [(k, v.encode()) for k, v in dead_headers(reason, attempts,
+                                                              time.time()).items()]
+        topic = self.d.dead_topic(self.spec.name)
+        try:
+            self._fence_for(rec)  # as in nack: no copy once the partition is not ours
+        except MQError:
+            self._keep(rec, receipt)
+            raise
+        try:
+            self.d.send_one(Outgoing(topic, rec.body, uuid.uuid4().hex.encode(), headers))
+            self._done(rec)
+        except MQError:
+            self._relapse(rec, receipt, rec.deadline)
+            raise
+        finally:
+            self._end_move()
+        self._send_checkpoints(None)
+
+    @staticmethod
+    def _copy_headers(rec: Rec) -> list[tuple[str, bytes]]:
+        """A re-published or dead-lettered copy's headers: the user's, then the wire
+        schema's identity of the original (its Kafka key becomes ``mq-key``)."""
+        headers = [(k, v.encode()) for k, v in rec.headers.items()]
+        headers += [
+            (wire.ID, rec.id.encode()),
+            (wire.PUBLISHED_AT, repr(rec.published_at).encode()),
+            (wire.TOPIC, rec.topic.encode()),
+        ]
+        if rec.key is not None:
+            headers.append((wire.KEY, rec.key.encode()))
+        return headers
+
+    def _requeue(self, rec: Rec, n: int, delay: float, avoid_self: bool = False,
+                 hop: bool = False) -> None:
+        """Write the record to the group's retry topic, then mark the original done."""
+        headers = self._copy_headers(rec)
+        headers.append((wire.ATTEMPT, str(n).encode()))
+        headers.append((wire.HOPS, str(rec.hops + 1 if hop else 0).encode()))
+        due = time.time() + delay if delay > 0 else rec.due
+        if due > time.time():
+            headers.append((wire.DELIVER_AT, repr(due).encode()))
+        partition = None
+        if avoid_self:
+            others = self._other_retry_partitions()
+            if others:
+                partition = random.choice(others)
+        try:
+            self.d.send_one(Outgoing(self.retry, rec.body,
+                                     rec.key.encode() if rec.key is not None else None,
+                                     headers, partition))
+        except MQError as exc:
+            log.warning("kafka: could not requeue %s (retried): %s", rec.id,
+                        redact(str(exc))[:300])
+            raise
+        self._done(rec)
+
+    def close(self) -> None:
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            self.cv.notify_all()
+        self.stopping = True
+        me = threading.current_thread()
+        if self.data_thread is not me:
+            self.data_thread.join(30)
+        with self.lock:
+            # Closing gives unsettled messages back: the next owner of our partitions need
+            # not wait for their leases (their attempt still counts, through the mark).
+            for part in self.parts.values():
+                part.deadline = 0.0
+        # The group thread last: its final commit covers what the data thread settled.
+        self.group_stopping = True
+        if self.group_thread is not me:
+            self.group_thread.join(30)
