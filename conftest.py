@@ -6,7 +6,8 @@ suite on every backend with brokers found by ``tests/brokers.py``:
     pytest tests -p mqabstract.conformance --mq-url all
     pytest -p mqabstract.conformance --mq-url rabbitmq --mq-url sqlite
 
-Aliases: memory, sqlite (a fresh file per session), rabbitmq, kafka, sqs, all.
+Aliases: memory, sqlite (a fresh file per session), rabbitmq, kafka (its default client:
+confluent-kafka), kafka-python (the same broker on the other client), sqs, all.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-BACKEND_ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "sqs")
+BACKEND_ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
 # Under pytest-xdist (--dist loadgroup) these files run on one worker each: private broker
 # processes and the shared SparkSession must not be started twice at once.
 _SERIAL_GROUPS = {
@@ -76,10 +77,11 @@ def mq_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if raw == "sqlite":
         path = Path(tmp_path_factory.mktemp("sqlite")) / "conformance.db"
         return f"sqlite:///{path}"
-    if raw in BROKER_KINDS:
+    if raw in BROKER_KINDS or raw == "kafka-python":
         from tests.brokers import resolve_url
+        from tests.reliability.support import kind, with_client
 
-        return resolve_url(raw)
+        return with_client(raw, resolve_url(kind(raw)))
     return raw
 
 

@@ -1,6 +1,7 @@
 """Backend parametrization and reporting for the reliability suite.
 
-Tests take the ``backend`` fixture (an alias: memory, sqlite, rabbitmq, kafka, sqs) and
+Tests take the ``backend`` fixture (an alias: memory, sqlite, rabbitmq, kafka, sqs, or
+``kafka-python``: Kafka on its other client, ``CLIENT_ALIASES``) and
 ``rel_url`` (its URL, resolved like the conformance suite's aliases: ``tests/brokers.py``
 finds the shared brokers; in CI a missing broker fails, never skips). The backends come from
 ``--mq-url`` when the conformance plugin is loaded with aliases, else from
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from .support import Reporter
+from .support import Reporter, kind, with_client
 
-ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "sqs")
+ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
 BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
 
 
@@ -41,7 +42,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     wanted = _selected(metafunc.config)
     marker = metafunc.definition.get_closest_marker("backends")
     if marker is not None:  # the scenario is meaningful only on these
-        wanted = [b for b in wanted if b in marker.args]
+        wanted = [b for b in wanted if kind(b) in marker.args]
     metafunc.parametrize("backend", wanted, scope="session")
 
 
@@ -61,7 +62,7 @@ def rel_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         return f"sqlite:///{path}"
     from tests.brokers import resolve_url
 
-    return resolve_url(backend)
+    return with_client(backend, resolve_url(kind(backend)))
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-ORDER = ("memory", "sqlite", "rabbitmq", "kafka", "sqs")
+ORDER = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
 COLUMNS = ("kills", "confirmed", "in_flight", "delivered", "duplicates", "dead_lettered",
            "lost", "lost_by_dev_broker", "problems")
 

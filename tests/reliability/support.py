@@ -28,6 +28,21 @@ REPO = Path(__file__).resolve().parents[2]
 #: Lease used by fault tests: whole seconds (SQS granularity), short so redelivery is quick.
 LEASE = 2.0
 
+#: Backend aliases that are another client on a broker kind: alias -> (kind, URL query).
+CLIENT_ALIASES = {"kafka-python": ("kafka", "client=kafka-python")}
+
+
+def kind(backend: str) -> str:
+    """The broker kind behind a backend alias (``kafka-python`` runs on ``kafka``)."""
+    return CLIENT_ALIASES[backend][0] if backend in CLIENT_ALIASES else backend
+
+
+def with_client(backend: str, url: str) -> str:
+    """``url`` with the client the alias names (unchanged for plain kinds)."""
+    if backend not in CLIENT_ALIASES:
+        return url
+    return url + ("&" if "?" in url else "?") + CLIENT_ALIASES[backend][1]
+
 
 def token(prefix: str = "r") -> str:
     """A short unique word for topic and group names (tests share brokers)."""

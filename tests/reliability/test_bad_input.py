@@ -19,7 +19,7 @@ import mqabstract
 from mqabstract import OutgoingMessage, ValidationError
 from tests.brokers import in_ci
 
-from .support import Reporter, cleanup, token
+from .support import Reporter, cleanup, kind, token
 
 EXAMPLES = {"memory": 60, "sqlite": 40, "rabbitmq": 12, "kafka": 10, "sqs": 12}
 WAIT = {"memory": 2.0, "sqlite": 5.0, "rabbitmq": 10.0, "kafka": 20.0, "sqs": 10.0}
@@ -104,7 +104,7 @@ def test_bad_input_sweep(backend: str, sink: tuple[mqabstract.Broker, mqabstract
     counts = {"inputs": 0, "accepted": 0, "rejected": 0}
     sentinel = OutgoingMessage(prefix + ".x", b"", headers={"mq-bad": "x"})  # always invalid
 
-    @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=in_ci(),
+    @settings(max_examples=EXAMPLES[kind(backend)], deadline=None, derandomize=in_ci(),
               database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(candidates(), min_size=1, max_size=4))
     def check(cands: list[dict[str, Any]]) -> None:
@@ -133,7 +133,7 @@ def test_bad_input_sweep(backend: str, sink: tuple[mqabstract.Broker, mqabstract
         counts["accepted"] += len(ids)
         expect = dict(zip(ids, accepted, strict=True))
         got: dict[str, mqabstract.Message] = {}
-        deadline = time.monotonic() + WAIT[backend]
+        deadline = time.monotonic() + WAIT[kind(backend)]
         while len(got) < len(expect) and time.monotonic() < deadline:
             for msg in sub.receive(10, 1.0):
                 msg.ack()
@@ -166,7 +166,7 @@ def test_bad_group_and_pattern_names(backend: str, rel_url: str) -> None:
     tok = token("n")
     with mqabstract.connect(rel_url) as mq:
 
-        @settings(max_examples=EXAMPLES[backend] * 2, deadline=None, derandomize=in_ci(),
+        @settings(max_examples=EXAMPLES[kind(backend)] * 2, deadline=None, derandomize=in_ci(),
                   database=None, suppress_health_check=list(HealthCheck))
         @given(_names, _names)
         def check(group_suffix: str, pattern_suffix: str) -> None:
@@ -199,7 +199,7 @@ def test_bad_urls_and_options(backend: str, rel_url: str) -> None:
     secret = "s3cr3t" + secrets.token_hex(4)
     sep = "&" if "?" in rel_url else "?"
 
-    @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=in_ci(),
+    @settings(max_examples=EXAMPLES[kind(backend)], deadline=None, derandomize=in_ci(),
               database=None, suppress_health_check=list(HealthCheck))
     @given(_option_names, _option_values)
     def check(name: str, value: str) -> None:
@@ -216,7 +216,7 @@ def test_bad_urls_and_options(backend: str, rel_url: str) -> None:
         mqabstract.connect(f"{rel_url}{sep}secret_token={secret}")
     assert secret not in str(info.value) and secret not in repr(info.value)
 
-    @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=in_ci(),
+    @settings(max_examples=EXAMPLES[kind(backend)], deadline=None, derandomize=in_ci(),
               database=None, suppress_health_check=list(HealthCheck))
     @given(st.text(_ANY_CHAR, min_size=1, max_size=30).filter(str.strip))
     def garbage(text: str) -> None:

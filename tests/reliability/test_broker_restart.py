@@ -28,7 +28,8 @@ import pytest
 import mqabstract
 from tests.brokers import in_ci
 
-from .support import LEASE, Ledger, Reporter, body_for, digest, spare_port, token
+from .support import LEASE, Ledger, Reporter, body_for, digest, spare_port, token, with_client
+from .support import kind as support_kind
 
 
 def _private(kind: str, state_dir: Path) -> Any:
@@ -47,8 +48,9 @@ def _private(kind: str, state_dir: Path) -> Any:
 @pytest.fixture
 def private(backend: str, tmp_path: Path) -> Iterator[Any]:
     """A private broker for ``backend``, stopped at teardown whatever happened."""
-    kind = backend
+    kind = support_kind(backend)
     broker = _private(kind, tmp_path / "brokers")
+    broker.client_url = with_client(backend, broker.url)
     try:
         broker.start()
     except Exception as exc:  # missing rabbitmq-server / Kafka jars / moto
@@ -148,7 +150,7 @@ def test_broker_restart(private: Any, reporter: Reporter) -> None:
     topic, pattern, group = f"rel.{tok}.r", f"rel.{tok}.#", f"rel-{tok}"
     ledger = Ledger()
     errors: list[str] = []
-    with mqabstract.connect(private.url) as mq:
+    with mqabstract.connect(private.client_url) as mq:
         mq.declare(group, pattern, lease=LEASE, max_attempts=20)
         sub = mq.subscribe(group, pattern, lease=LEASE, max_attempts=20)
         before = mq.publish_batch([mqabstract.OutgoingMessage(topic, body_for(f"{tok}-a{i}"),
@@ -214,7 +216,7 @@ def test_broker_restart(private: Any, reporter: Reporter) -> None:
                 errors.append(type(exc).__name__)
         with contextlib.suppress(mqabstract.MQError):
             mq.delete_group(group)
-    fresh = "" if durable else _fresh_client_works(private.url, tok)
+    fresh = "" if durable else _fresh_client_works(private.client_url, tok)
     summary = ledger.summary()
     problems = ledger.problems()
     lost_by_dev_broker = 0 if durable else len(set(ledger.maybe) - ledger.acked)

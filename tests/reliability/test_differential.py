@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 import mqabstract
 from tests.brokers import in_ci
 
-from .support import Reporter, body_for, cleanup, digest, token
+from .support import Reporter, body_for, cleanup, digest, kind, token
 
 LEASE = 2.0
 MAX_ATTEMPTS = 3
@@ -257,12 +257,12 @@ def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
     finally-settled id sets agree."""
     stats = {"examples": 0, "messages": 0, "delivered": 0, "dead_lettered": 0,
              "stale_settles": 0}
-    wait = RECEIVE_WAIT[backend]
+    wait = RECEIVE_WAIT[kind(backend)]
 
     # No shrinking on real brokers: every replay costs seconds of real waiting, and the
     # failing sequence is printed in full anyway.
     phases = list(Phase) if backend == "memory" else [Phase.explicit, Phase.generate]
-    @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=in_ci(),
+    @settings(max_examples=EXAMPLES[kind(backend)], deadline=None, derandomize=in_ci(),
               database=None, suppress_health_check=list(HealthCheck), phases=phases)
     @given(scenarios())
     # Always at least one stale settle per backend (the lease rule), besides generated ones.
@@ -273,8 +273,8 @@ def test_differential(backend: str, rel_url: str, reporter: Reporter) -> None:
         ref = run("memory://differential", ordered, ops, RECEIVE_WAIT["memory"])
         assert not ref.problems(ordered), ("memory reference", ops, ref.problems(ordered))
         got = ref if backend == "memory" else run(rel_url, ordered, ops, wait,
-                                                    backend in ONE_AT_A_TIME)
-        problems = got.problems(ordered, backend in ONE_AT_A_TIME)
+                                                    kind(backend) in ONE_AT_A_TIME)
+        problems = got.problems(ordered, kind(backend) in ONE_AT_A_TIME)
         assert not problems, (backend, ops, problems)
         settled_ref = sorted(int(m.rsplit("-", 1)[1]) for m in ref.acked | set(ref.dead))
         settled_got = sorted(int(m.rsplit("-", 1)[1]) for m in got.acked | set(got.dead))

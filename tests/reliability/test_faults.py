@@ -31,6 +31,7 @@ from .support import (
     digest,
     drain,
     feed,
+    kind,
     seed_for,
     token,
 )
@@ -81,7 +82,7 @@ def test_consumer_sigkill(backend: str, rel_url: str, reporter: Reporter) -> Non
             for plan in [*plans, "none"]:
                 final = plan == "none"
                 spec = "none" if plan in ("timed", "none") else plan
-                idle = QUIET[backend] + LEASE if final else 60.0
+                idle = QUIET[kind(backend)] + LEASE if final else 60.0
                 worker = Worker("consume", rel_url, group, pattern, str(LEASE), "50",
                                 str(idle), spec, str(rng.randrange(1 << 30)))
                 if plan == "timed":
@@ -99,7 +100,7 @@ def test_consumer_sigkill(backend: str, rel_url: str, reporter: Reporter) -> Non
                     kills += 1
             # Whatever the last consumer left (e.g. Kafka still rebalancing): drain here.
             with mq.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
-                drain(sub, ledger, QUIET[backend], 60, set(ledger.expected))
+                drain(sub, ledger, QUIET[kind(backend)], 60, set(ledger.expected))
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
@@ -135,7 +136,7 @@ def test_publisher_sigkill(backend: str, rel_url: str, reporter: Reporter) -> No
                 ledger.maybe.pop(mid, None)
             assert ledger.expected, "publisher was killed before any publish returned"
             with mq.subscribe(group, pattern, lease=10.0, max_attempts=50) as sub:
-                drain(sub, ledger, QUIET[backend], 60, set(ledger.expected))
+                drain(sub, ledger, QUIET[kind(backend)], 60, set(ledger.expected))
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
@@ -169,7 +170,7 @@ def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> N
                     ledger.ack(msg.id)
             # ``hung`` is never used again: its leases must run out.
             with other.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
-                drain(sub, ledger, QUIET[backend] + LEASE, 60, set(ledger.expected))
+                drain(sub, ledger, QUIET[kind(backend)] + LEASE, 60, set(ledger.expected))
             back = [m for m in taken if m.id not in {t.id for t in taken[::2]}]
             collect_dead(mq, group, ledger)
         finally:
@@ -267,7 +268,7 @@ def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
             kills = 0
             for _ in range(max_attempts + 3):
                 worker = Worker("consume", rel_url, group, pattern, str(LEASE),
-                                str(max_attempts), str(QUIET[backend] + LEASE), "none",
+                                str(max_attempts), str(QUIET[kind(backend)] + LEASE), "none",
                                 str(rng.randrange(1 << 30)), "1")  # one at a time: a
                 # crash must not cost the poison's batch-mates an attempt
                 code = worker.finish(180)

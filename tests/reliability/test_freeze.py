@@ -29,6 +29,7 @@ from .support import (
     digest,
     drain,
     feed,
+    kind,
     seed_for,
     token,
 )
@@ -115,7 +116,7 @@ CHAOS_MESSAGES = {"sqs": 1000}
 
 def _chaos_messages(backend: str) -> int:
     env = os.environ.get("MQ_CHAOS_MESSAGES")
-    return int(env) if env else CHAOS_MESSAGES.get(backend, 5000)
+    return int(env) if env else CHAOS_MESSAGES.get(kind(backend), 5000)
 CHAOS_LEASE = 5.0
 
 
@@ -177,7 +178,7 @@ def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter)
                 ended.append(w)
             feed(ledger, *ended)  # merged in time order: the workers ran side by side
             with mq.subscribe(group, pattern, lease=CHAOS_LEASE, max_attempts=50) as sub:
-                drain(sub, ledger, QUIET[backend] + CHAOS_LEASE, 120, set(ledger.expected))
+                drain(sub, ledger, QUIET[kind(backend)] + CHAOS_LEASE, 120, set(ledger.expected))
             collect_dead(mq, group, ledger)
         finally:
             for w in workers:
