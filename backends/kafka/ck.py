@@ -8,6 +8,7 @@ binding: readers carry a group id they never join or commit (``READER_GROUP``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from mqabstract import wire
 from mqabstract.url import redact
 
 from .client import (
@@ -125,13 +127,34 @@ def _native(tps: Collection[TP], offset: int = ck.OFFSET_INVALID) -> list[Any]:
 
 
 class _Batch:
-    """Outcomes of one ``send`` call, filled in by delivery reports."""
+    """Outcomes of one ``send`` call. librdkafka reports every delivery to ``landed``; a
+    failed one is matched to its record by the ``mq-id`` header (only then: the success
+    path does no per-record work beyond the count)."""
 
-    __slots__ = ("errors", "left")
+    __slots__ = ("errors", "left", "records")
 
-    def __init__(self, n: int) -> None:
-        self.errors: list[ClientError | None] = [None] * n
-        self.left = n
+    def __init__(self, records: Sequence[Outgoing]) -> None:
+        self.records = records
+        self.errors: list[ClientError | None] = [None] * len(records)
+        self.left = len(records)
+
+    def landed(self, err: Any, msg: Any) -> None:
+        self.left -= 1
+        if err is not None:
+            self.errors[self._index(msg)] = _error(err)
+
+    def _index(self, msg: Any) -> int:
+        if len(self.records) == 1:
+            return 0
+        mid = dict(msg.headers() or ()).get(wire.ID)
+        for i, r in enumerate(self.records):
+            if self.errors[i] is None and (mid is None or (wire.ID, mid) in r.headers):
+                return i
+        return 0
+
+    def fail(self, i: int, err: ClientError) -> None:
+        self.errors[i] = err
+        self.left -= 1
 
 
 class _Producer(Producer):
@@ -159,43 +182,37 @@ class _Producer(Producer):
             raise classify(exc) from exc
 
     def send(self, records: Sequence[Outgoing], timeout: float) -> list[ClientError | None]:
-        batch = _Batch(len(records))
-        produce, poll = self.p.produce, self.p.poll
+        batch = _Batch(records)
+        produce: Any = self.p.produce  # (its stubs want invariant header lists)
+        flush = self.p.flush
+        landed = batch.landed
         deadline = time.monotonic() + timeout
-
-        def report(i: int) -> Callable[[Any, Any], None]:
-            def landed(err: Any, _msg: Any) -> None:
-                batch.left -= 1
-                if err is not None:
-                    batch.errors[i] = _error(err)
-            return landed
-
         for i, r in enumerate(records):
-            kw: dict[str, Any] = {"headers": r.headers, "on_delivery": report(i)}
-            if r.partition is not None:
-                kw["partition"] = r.partition
-            if r.timestamp_ms is not None:
-                kw["timestamp"] = r.timestamp_ms
             while True:
                 try:
-                    produce(r.topic, r.value, r.key, **kw)
+                    if r.partition is None:
+                        produce(r.topic, r.value, r.key, headers=r.headers,
+                                timestamp=r.timestamp_ms or 0, on_delivery=landed)
+                    else:
+                        produce(r.topic, r.value, r.key, r.partition, headers=r.headers,
+                                timestamp=r.timestamp_ms or 0, on_delivery=landed)
                     break
                 except BufferError:  # the local queue is full: let librdkafka send some
-                    poll(0.05)
+                    flush(0.05)
                     if time.monotonic() >= deadline:
-                        batch.errors[i] = ClientError(Kind.TIMEOUT, "producer queue full")
-                        batch.left -= 1
+                        batch.fail(i, ClientError(Kind.TIMEOUT, "producer queue full"))
                         break
                 except Exception as exc:
-                    batch.errors[i] = classify(exc)
-                    batch.left -= 1
+                    batch.fail(i, classify(exc))
                     break
-        # Delivery reports are served by whichever thread polls: wait in short polls.
+        # Short flushes: each sends what is queued at once (no linger) and serves delivery
+        # reports, whichever thread's they are; a flush waits for the whole queue, so it is
+        # kept short and our own count decides.
         while batch.left > 0:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            poll(min(left, 0.05))
+            flush(min(left, 0.01))
         if batch.left > 0:
             for i, err in enumerate(batch.errors):
                 if err is None:
@@ -243,6 +260,9 @@ class _Admin(Admin):
         self.s = s
         self.timeout = s.request_timeout_ms / 1000
         self.a = AdminClient(_config(s))
+        self.lock = threading.Lock()
+        self.groups: collections.OrderedDict[str, tuple[Any, threading.Lock]] = (
+            collections.OrderedDict())
 
     def create_topics(self, names: Collection[str], partitions: int, replication: int,
                       configs: Mapping[str, str]) -> dict[str, ClientError | None]:
@@ -273,17 +293,37 @@ class _Admin(Admin):
         except Exception as exc:
             raise classify(exc) from exc
 
+    # Group offsets go through a consumer of the group that never joins it, not through
+    # AdminClient: librdkafka 2.16's ListConsumerGroupOffsets crashes the process (SIGSEGV in
+    # rd_kafka_cgrp_op, an admin client has no group) when the coordinator answers with an
+    # error, as it does while a broker restarts. A consumer's committed()/commit() take the
+    # group's own code path; a commit from a non-member is accepted for a group without
+    # members (the declaration shadow group).
+    def _group_consumer(self, group: str) -> tuple[Any, threading.Lock]:
+        with self.lock:
+            found = self.groups.get(group)
+            if found is None:
+                while len(self.groups) >= 16:
+                    _, (old, _lock) = self.groups.popitem(last=False)
+                    old.close()
+                cfg = _config(self.s)
+                cfg.update({"group.id": group, "enable.auto.commit": False,
+                            "enable.auto.offset.store": False})
+                found = self.groups[group] = (ck.Consumer(cfg), threading.Lock())
+            else:
+                self.groups.move_to_end(group)
+            return found
+
     def group_offsets(self, group: str, tps: Collection[TP]
                       ) -> dict[TP, tuple[int, str] | None]:
-        request = ck.ConsumerGroupTopicPartitions(group, _native(tps))
+        consumer, lock = self._group_consumer(group)
         try:
-            futures = self.a.list_consumer_group_offsets([request],
-                                                         request_timeout=self.timeout)
+            with lock:
+                found = consumer.committed(_native(tps), timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
-        found = _result(futures[group], self.timeout + 5)
         out: dict[TP, tuple[int, str] | None] = {tp: None for tp in tps}
-        for item in found.topic_partitions:
+        for item in found:
             if item.error is not None:
                 raise _error(item.error, f"{item.topic}[{item.partition}]: ")
             if item.offset >= 0:
@@ -291,15 +331,14 @@ class _Admin(Admin):
         return out
 
     def set_group_offsets(self, group: str, offsets: Mapping[TP, tuple[int, str]]) -> None:
-        request = ck.ConsumerGroupTopicPartitions(
-            group, [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()])
+        consumer, lock = self._group_consumer(group)
+        native = [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()]
         try:
-            futures = self.a.alter_consumer_group_offsets([request],
-                                                          request_timeout=self.timeout)
+            with lock:
+                done = consumer.commit(offsets=native, asynchronous=False)
         except Exception as exc:
             raise classify(exc) from exc
-        done = _result(futures[group], self.timeout + 5)
-        for item in done.topic_partitions:
+        for item in done or ():
             if item.error is not None:
                 raise _error(item.error)
 
@@ -330,7 +369,13 @@ class _Admin(Admin):
                     raise
 
     def close(self) -> None:
-        return None  # AdminClient has no close: freed with its last reference
+        # (AdminClient has no close: it is freed with its last reference)
+        with self.lock:
+            groups = list(self.groups.values())
+            self.groups.clear()
+        for consumer, lock in groups:
+            with lock:
+                consumer.close()
 
 
 class _Record:
@@ -517,6 +562,7 @@ class _Member(_Reader, Member):
         self.busy_until = 0.0
         self.gate = threading.Condition()
         self.waiting = 0  # threads waiting to commit
+        self.closed = False  # a closed librdkafka consumer must not be called (it crashes)
         super().__init__(s, group, **{
             "session.timeout.ms": s.session_timeout_ms,
             "heartbeat.interval.ms": s.heartbeat_interval_ms,
@@ -596,6 +642,10 @@ class _Member(_Reader, Member):
         native = [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()]
         failure: ClientError | None = None
         with self.gate:
+            if self.closed:
+                failure = ClientError(Kind.FENCED, "the group consumer is closed")
+                done(failure)
+                return _Done(failure)
             self.waiting += 1
         try:
             for item in self.c.commit(offsets=native, asynchronous=False) or ():
@@ -610,6 +660,13 @@ class _Member(_Reader, Member):
                 self.gate.notify_all()
         done(failure)
         return _Done(failure)
+
+    def close(self) -> None:
+        with self.gate:
+            self.closed = True
+            while self.waiting:
+                self.gate.wait(0.1)
+        super().close()
 
 
 class _Client(Client):
