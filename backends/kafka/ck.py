@@ -435,10 +435,17 @@ class _Reader(Reader):
         self.assigned = wanted
 
     def poll(self, timeout: float, max_records: int) -> dict[TP, list[Fetched]]:
+        # librdkafka's batch consume waits for a full batch or the timeout: wait for one
+        # record, then take what else is there without waiting.
         try:
-            msgs = self.c.consume(max_records, timeout)
+            msgs = self.c.consume(1, timeout)
+            if msgs and max_records > 1:
+                msgs += self.c.consume(max_records - 1, 0)
         except Exception as exc:
             raise classify(exc) from exc
+        return self._group(msgs)
+
+    def _group(self, msgs: list[Any]) -> dict[TP, list[Fetched]]:
         out: dict[TP, list[Fetched]] = {}
         for msg in msgs:
             err = msg.error()
@@ -550,10 +557,11 @@ class _Member(_Reader, Member):
 
     The binding serialises calls on one consumer: a commit from another thread waits until
     the group thread's ``consume`` returns, and a thread that calls ``consume`` back to back
-    starves it. So ``poll`` waits in short slices (5 ms while commits are being made, 50 ms
-    when idle) and steps aside while a commit waits (``gate``); commits are synchronous
-    calls made by the committing thread (an asynchronous one's result would arrive in
-    the group thread's ``consume``).
+    starves it. So ``poll`` never waits inside ``consume``: it takes what is there and then
+    waits outside (5 ms while commits are being made, 50 ms when idle), stepping aside
+    while a commit waits (``gate``). Commits are synchronous calls made by the committing
+    thread (an asynchronous one's result would arrive in the group thread's ``consume``).
+    Records of the retry topic and rebalance callbacks wait at most one such slice.
     """
 
     def __init__(self, s: Settings, group: str, topic: str, revoked: Listener,
@@ -600,8 +608,15 @@ class _Member(_Reader, Member):
         with self.gate:
             while self.waiting:
                 self.gate.wait(0.05)
-        slice_ = 0.005 if time.monotonic() < self.busy_until else 0.05
-        return super().poll(min(timeout, slice_), max_records)
+        try:
+            msgs = self.c.consume(max_records, 0)
+        except Exception as exc:
+            raise classify(exc) from exc
+        if not msgs:
+            slice_ = 0.005 if time.monotonic() < self.busy_until else 0.05
+            with self.gate:
+                self.gate.wait(min(timeout, slice_))
+        return self._group(msgs)
 
     def _assign(self, consumer: Any, partitions: list[Any]) -> None:
         tps = [TP(p.topic, p.partition) for p in partitions]
