@@ -447,6 +447,9 @@ class _Reader(Reader):
 
     def _group(self, msgs: list[Any]) -> dict[TP, list[Fetched]]:
         out: dict[TP, list[Fetched]] = {}
+        last: tuple[str, int] | None = None
+        batch: list[Fetched] = []
+        record = _Record
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -456,11 +459,13 @@ class _Reader(Reader):
                         raise failure
                     log.debug("kafka: fetch: %s", failure)
                 continue
-            tp = TP(msg.topic(), msg.partition())
-            batch = out.get(tp)
-            if batch is None:
-                batch = out[tp] = []
-            batch.append(_Record(msg))
+            here = (msg.topic(), msg.partition())
+            if here != last:  # a fetch returns runs of one partition
+                last = here
+                tp = TP(*here)
+                found = out.get(tp)
+                batch = out[tp] = [] if found is None else found
+            batch.append(record(msg))
         for tp, batch in out.items():
             self.next[tp] = batch[-1].offset + 1
         return out

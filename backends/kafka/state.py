@@ -143,10 +143,20 @@ class Rec:
     published_at: float
     topic: str
 
-    def __init__(self, tp: TP, offset: int) -> None:
+    def __init__(self, tp: TP, offset: int, topic: str = "", body: bytes = b"",
+                 headers: dict[str, str] | None = None, key: str | None = None, id: str = "",
+                 n: int = 0, published_at: float = 0.0, due: float = 0.0,
+                 hops: int = 0) -> None:
         self.tp = tp
         self.offset = offset
+        self.topic = topic
+        self.body = body
+        self.headers = headers if headers is not None else {}
+        self.key = key
+        self.id = id
+        self.n = n
+        self.published_at = published_at
+        self.due = due
+        self.hops = hops
         self.deadline = 0.0
         self.since = 0.0
-        self.due = 0.0
-        self.hops = 0

@@ -731,47 +731,54 @@ class KafkaSubscription(DriverSubscription):
                 self.cv.notify_all()
 
     def _decode(self, tp: TP, r: Any, retry: bool) -> Rec | None:
+        """A fetched record as a ``Rec``; None for records this group must skip. The
+        wire-schema headers go to their fields (defaults for records of plain clients)."""
         headers: dict[str, str] = {}
         meta: dict[str, str] = {}
+        prefix = wire.PREFIX
         for k, v in r.headers or ():
-            if k.startswith(wire.PREFIX):
+            if k.startswith(prefix):
                 meta[k] = v.decode("utf-8", "replace") if v else ""
             else:
                 headers[k] = v.decode("utf-8", "replace") if v else ""
+        key = r.key
         if retry:
             topic = meta.get(wire.TOPIC, "")
+            text_key = meta.get(wire.KEY)
+            if text_key is None and key is not None:
+                text_key = key.decode("utf-8", "replace")
         else:
             if r.timestamp < self.declared_ms:
                 # Published before the group existed. Also what makes a too-low start
                 # offset harmless (tansu's end offsets after batched produce).
                 return None
-            if tp.topic.startswith(HASHED):
+            name = tp.topic
+            known = self.names.get(name)
+            if known is not None:
+                topic = known
+            elif name.startswith(HASHED):
                 topic = meta.get(wire.TOPIC, "")
                 if not topic or not topic_matches(self.spec.pattern, topic):
                     return None
             else:
-                known = self.names.get(tp.topic)
-                if known is None:
-                    known = self.names[tp.topic] = unescape(tp.topic[len(self.d.prefix):])
-                topic = known
-        rec = Rec(tp, r.offset)
-        rec.topic = topic
-        rec.body = r.value if r.value is not None else b""
-        rec.headers = headers
-        rec.key = (meta.get(wire.KEY) if retry else
-                   r.key.decode("utf-8", "replace") if r.key is not None else None)
-        if retry and rec.key is None and r.key is not None:
-            rec.key = r.key.decode("utf-8", "replace")
-        rec.id = meta.get(wire.ID) or f"{tp.topic}-{tp.partition}-{r.offset}"
+                topic = self.names[name] = unescape(name[len(self.d.prefix):])
+            text_key = key.decode("utf-8", "replace") if key is not None else None
+        offset = r.offset
+        value = r.value
         try:
             ts = meta.get(wire.PUBLISHED_AT)
-            rec.published_at = float(ts) if ts is not None else r.timestamp / 1000
-            rec.n = int(meta.get(wire.ATTEMPT, "0"))
-            rec.due = float(meta[wire.DELIVER_AT]) if wire.DELIVER_AT in meta else 0.0
-            rec.hops = int(meta.get(wire.HOPS, "0"))
+            n = meta.get(wire.ATTEMPT)
+            due = meta.get(wire.DELIVER_AT)
+            hops = meta.get(wire.HOPS)
+            return Rec(tp, offset, topic, value if value is not None else b"", headers,
+                       text_key, meta.get(wire.ID) or f"{tp.topic}-{tp.partition}-{offset}",
+                       int(n) if n else 0,
+                       float(ts) if ts is not None else r.timestamp / 1000,
+                       float(due) if due else 0.0, int(hops) if hops else 0)
         except ValueError:
-            rec.published_at, rec.n, rec.due = r.timestamp / 1000, 0, 0.0
-        return rec
+            return Rec(tp, offset, topic, value if value is not None else b"", headers,
+                       text_key, meta.get(wire.ID) or f"{tp.topic}-{tp.partition}-{offset}",
+                       0, r.timestamp / 1000)
 
     # -- application side ------------------------------------------------------------------------
     def _check_open(self) -> None:
