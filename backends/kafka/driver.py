@@ -89,6 +89,9 @@ class KafkaDriver(Driver):
         "client": Option(str, "auto", "confluent, kafka-python, or auto: the fastest installed"),
         "partitions": Option(int, 4, "partitions of topics this driver creates"),
         "replication_factor": Option(int, -1, "replication of created topics (-1: broker)"),
+        "min_insync_replicas": Option(int, 0, "min.insync.replicas of created topics "
+                                      "(0: broker default); with acks=all, a publish is "
+                                      "confirmed once that many replicas have it"),
         "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
         # Apache Kafka refuses sessions below group.min.session.timeout.ms (6000 by default).
         "session_timeout_ms": Option(int, 6000, "consumer session (broker: 6000 or more)"),
@@ -319,6 +322,8 @@ class KafkaDriver(Driver):
         if not missing:
             return
         configs = {"cleanup.policy": "compact"} if compact else {}
+        if self.opts["min_insync_replicas"] > 0:
+            configs["min.insync.replicas"] = str(self.opts["min_insync_replicas"])
         try:
             result = self.call(self.admin.create_topics, missing,
                                partitions or self.partitions,

@@ -260,3 +260,42 @@ def test_consumer_killed_mid_batch_loses_nothing(url, mq, names) -> None:
             victim.kill()
         for b in brokers:
             b.close()
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_consumer_beyond_partitions_is_an_idle_standby(url, client) -> None:
+    """A group admits ``max_consumers_per_group`` (= ``partitions``) active consumers: with
+    one partition, one of two consumers gets everything and the other nothing, and that
+    one takes over when the active one leaves (documented: an idle standby, no error)."""
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(f"{url}{sep}client={client}&partitions=1") as mq:
+        assert mq.capabilities.max_consumers_per_group == 1
+        token = "s" + os.urandom(4).hex()
+        group, pattern, topic = f"standby-{token}", f"sb.{token}.#", f"sb.{token}.x"
+        try:
+            mq.declare(group, pattern)
+            subs = [mq.subscribe(group, pattern), mq.subscribe(group, pattern)]
+            mq.publish_batch([(topic, f"m{i}".encode()) for i in range(20)])
+            got: list[list[str]] = [[], []]
+            deadline = time.monotonic() + 30
+            while sum(map(len, got)) < 20 and time.monotonic() < deadline:
+                for i, sub in enumerate(subs):
+                    for msg in sub.receive(20, 0.2):
+                        got[i].append(msg.body.decode())
+                        msg.ack()
+            assert sorted(got[0] + got[1]) == sorted(f"m{i}" for i in range(20))
+            assert [] in got, f"both consumers were active: {got}"
+            active = 0 if got[0] else 1
+            standby = subs[1 - active]
+            subs[active].close()
+            mq.publish(topic, b"after")
+            late: list[str] = []
+            deadline = time.monotonic() + 30
+            while not late and time.monotonic() < deadline:
+                for msg in standby.receive(5, 0.5):
+                    late.append(msg.body.decode())
+                    msg.ack()
+            assert late == ["after"], "the standby did not take over"
+            standby.close()
+        finally:
+            mq.delete_group(group)

@@ -1,11 +1,10 @@
 """Node failures on a three-node Apache Kafka cluster (KRaft, every node broker + controller).
 
 The module starts one private ``KafkaCluster`` (``scripts/brokerctl.py``) and creates its
-topics through mqabstract with ``replication_factor=3``; the producer sends with
-``acks=all`` and idempotence. ``min.insync.replicas`` is the broker default (1): neither
-``ApacheKafka`` nor ``KafkaCluster`` sets it, and mqabstract passes no topic configuration
-but ``cleanup.policy``. With unclean leader election off (Kafka's default) an ``acks=all``
-record is on every in-sync replica when it is confirmed, so a new leader has it.
+topics through mqabstract with ``replication_factor=3`` and ``min_insync_replicas=2`` (a
+topic config the driver sets on topics it creates); the producer sends with ``acks=all``
+and idempotence, so a confirmed record is on at least two replicas. With unclean leader
+election off (Kafka's default) a new leader is an in-sync replica, so it has the record.
 
 Scenarios (each on both clients: ``kafka`` = confluent-kafka, ``kafka-python``):
 
@@ -86,7 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def _url(cluster: Any, backend: str) -> str:
-    return with_client(backend, f"{cluster.url}?replication_factor=3&partitions={PARTITIONS}")
+    return with_client(backend, f"{cluster.url}?replication_factor=3&min_insync_replicas=2&partitions={PARTITIONS}")
 
 
 def _heal(cluster: Any) -> None:
