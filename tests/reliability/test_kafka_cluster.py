@@ -85,7 +85,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def _url(cluster: Any, backend: str) -> str:
-    return with_client(backend, f"{cluster.url}?replication_factor=3&min_insync_replicas=2&partitions={PARTITIONS}")
+    options = f"replication_factor=3&min_insync_replicas=2&partitions={PARTITIONS}"
+    return with_client(backend, f"{cluster.url}?{options}")
 
 
 def _heal(cluster: Any) -> None:
