@@ -24,6 +24,7 @@ _SERIAL_GROUPS = {
     "test_brokerctl.py": "private-brokers",
     "test_rabbitmq.py": "private-brokers",
     "test_broker_restart.py": "private-brokers",
+    "test_kafka_cluster.py": "private-brokers",
     "spark": "spark",
 }
 BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
