@@ -142,7 +142,7 @@ def _fresh_client_works(url: str, tok: str) -> str:
 
 
 @pytest.mark.backends("rabbitmq", "kafka", "sqs")
-def test_broker_restart(private: Any, reporter: Reporter) -> None:
+def test_broker_restart(private: Any, backend: str, reporter: Reporter) -> None:
     """Restart the broker under a publisher thread and a consumer holding leases."""
     kind = private.kind
     durable = kind in ("rabbitmq", "kafka")
@@ -220,7 +220,7 @@ def test_broker_restart(private: Any, reporter: Reporter) -> None:
     summary = ledger.summary()
     problems = ledger.problems()
     lost_by_dev_broker = 0 if durable else len(set(ledger.maybe) - ledger.acked)
-    reporter.emit(scenario="broker restart", backend=kind, kills=1, **summary,
+    reporter.emit(scenario="broker restart", backend=backend, kills=1, **summary,
                   problems=len(problems), restart_s=round(back_at - restarted_at, 1),
                   start_s=round(downtime, 1), errors_seen=sorted(set(errors + pub.errors)),
                   lost_by_dev_broker=lost_by_dev_broker,
