@@ -221,16 +221,21 @@ class _Producer(Producer):
         return batch.errors
 
     def partitions(self, topic: str) -> set[int] | None:
+        """Cached for 30 s; while a node is away (a metadata request may wait for it) the
+        last known answer is kept rather than stalling the caller's thread."""
         cached = self.parts.get(topic)
         if cached is not None and time.monotonic() - cached[1] < 30:
             return cached[0]
         try:
-            meta = self.p.list_topics(topic, timeout=self.s.request_timeout_ms / 1000)
+            meta = self.p.list_topics(topic, timeout=min(5.0, self.s.request_timeout_ms / 1000))
         except Exception as exc:
+            if cached is not None:
+                self.parts[topic] = (cached[0], time.monotonic() - 25)  # again in 5 s
+                return cached[0]
             raise classify(exc) from exc
         found = meta.topics.get(topic)
         if found is None or found.error is not None or not found.partitions:
-            return None
+            return cached[0] if cached is not None else None
         parts = set(found.partitions)
         self.parts[topic] = (parts, time.monotonic())
         return parts

@@ -303,11 +303,19 @@ class KafkaDriver(Driver):
         plus the topics this driver created, at once."""
         with self._topics_lock:
             now = time.monotonic()
-            if now - self._topics_at >= self.opts["metadata_max_age_ms"] / 1000:
+            age = self.opts["metadata_max_age_ms"] / 1000
+            if now - self._topics_at >= age:
                 try:
                     self._all_topics = self.admin.list_topics()
                 except Exception as exc:
-                    raise native(exc, "cannot list topics", self.url) from exc
+                    if self._topics_at == float("-inf") or not transient(exc):
+                        raise native(exc, "cannot list topics", self.url) from exc
+                    # A node is away (the listing may have gone to it): keep reading with
+                    # the topics known, try again in a second. Raising here would stop the
+                    # subscriptions' data threads for the whole outage.
+                    log.info("kafka: topic list kept: %s", redact(str(exc))[:300])
+                    self._topics_at = now - age + 1.0
+                    return self._all_topics | self._known
                 self._topics_at = now
             return self._all_topics | self._known
 
