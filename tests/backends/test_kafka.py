@@ -299,3 +299,44 @@ def test_consumer_beyond_partitions_is_an_idle_standby(url, client) -> None:
             standby.close()
         finally:
             mq.delete_group(group)
+
+
+def test_plain_confluent_kafka_reads_and_writes_the_wire_schema(url, mq, names) -> None:
+    """The wire schema both ways with plain confluent-kafka (librdkafka), as with
+    kafka-python above: it reads mqabstract's headers; a record it writes with mq-id /
+    mq-attempt / mq-published-at is understood."""
+    ck = pytest.importorskip("confluent_kafka")
+    group, root = names
+    bootstrap = ",".join(_bootstrap(url))
+    mid = mq.publish(f"{root}.out", b"to plain", key="k9", headers={"trace": "t1"})
+    name = kafka_topic_name(f"{root}.out")
+    consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": f"plain-{root}",
+                            "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    try:
+        consumer.subscribe([name])
+        got = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(msg)
+    finally:
+        consumer.close()
+    [rec] = got
+    headers = dict(rec.headers())
+    assert (rec.value(), rec.key(), headers["trace"]) == (b"to plain", b"k9", b"t1")
+    assert headers[wire.ID] == mid.encode()
+    assert abs(float(headers[wire.PUBLISHED_AT]) - time.time()) < 60
+
+    sub = mq.subscribe(group, f"{root}.#")
+    producer = ck.Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+    producer.produce(kafka_topic_name(f"{root}.in"), b"from plain", b"k3", headers=[
+        (wire.ID, b"order-43"), (wire.ATTEMPT, b"1"), (wire.PUBLISHED_AT, b"1700000001.25"),
+        ("origin", b"librdkafka")])
+    assert producer.flush(15) == 0
+    [msg] = sub.receive(1, 20)
+    assert (msg.id, msg.attempt, msg.body, msg.key) == ("order-43", 2, b"from plain", "k3")
+    assert msg.published_at.timestamp() == 1700000001.25
+    assert msg.headers == {"origin": "librdkafka"}
+    msg.ack()
+    sub.close()
