@@ -59,6 +59,13 @@ def rate(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("inf")
 
 
+def consumed(got: int, n: int, took: float) -> float:
+    """The consume rate, or TimeoutError when fewer than ``n`` records came in time."""
+    if got < n:
+        raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
+    return rate(got, took)
+
+
 def servers(url: str) -> list[str]:
     return [f"{h}:{p or 9092}" for h, p in mqabstract.BrokerURL.parse(url).hosts]
 
@@ -169,9 +176,7 @@ class RawConfluent:
             took = time.perf_counter() - (start or time.perf_counter())
         finally:
             consumer.close()
-        if got < n:
-            raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
-        return rate(got, took)
+        return consumed(got, n, took)
 
 
 # -- raw kafka-python -------------------------------------------------------------------------
@@ -232,9 +237,7 @@ class RawKafkaPython:
             took = time.perf_counter() - (start or time.perf_counter())
         finally:
             consumer.close()
-        if got < n:
-            raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
-        return rate(got, took)
+        return consumed(got, n, took)
 
 
 # -- mqabstract -------------------------------------------------------------------------------
@@ -271,9 +274,7 @@ def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batc
         took = time.perf_counter() - (start or time.perf_counter())
     finally:
         sub.close()
-    if got < n:
-        raise TimeoutError(f"got {got} of {n} records in {WAIT:.0f} s")
-    return rate(got, took)
+    return consumed(got, n, took)
 
 
 # -- driver -----------------------------------------------------------------------------------

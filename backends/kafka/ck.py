@@ -118,7 +118,6 @@ def _config(s: Settings) -> dict[str, Any]:
             cfg[theirs] = getattr(s, ours)
     if not s.ssl_check_hostname:
         cfg["ssl.endpoint.identification.algorithm"] = "none"
-    cfg.update(s.extra)
     return cfg
 
 
@@ -260,6 +259,20 @@ def _result(future: Any, timeout: float) -> Any:
         raise ClientError(Kind.TIMEOUT, "admin request not answered") from exc
 
 
+def _outcomes(futures: Mapping[str, Any], timeout: float, fine: Collection[str] = ()
+              ) -> dict[str, ClientError | None]:
+    """Each admin future's outcome: None when it succeeded or failed with an error named in
+    ``fine`` (e.g. "already exists" for a create)."""
+    out: dict[str, ClientError | None] = {}
+    for name, future in futures.items():
+        try:
+            _result(future, timeout)
+            out[name] = None
+        except ClientError as err:
+            out[name] = None if err.native in fine else err
+    return out
+
+
 class _Admin(Admin):
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -278,18 +291,10 @@ class _Admin(Admin):
                                            request_timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
-        out: dict[str, ClientError | None] = {}
-        for name, future in futures.items():
-            try:
-                _result(future, self.timeout + 5)
-                out[name] = None
-            except ClientError as err:
-                if err.native == "TOPIC_ALREADY_EXISTS":
-                    out[name] = None
-                elif err.retriable:
-                    raise
-                else:
-                    out[name] = err
+        out = _outcomes(futures, self.timeout + 5, ("TOPIC_ALREADY_EXISTS",))
+        for err in out.values():
+            if err is not None and err.retriable:
+                raise err  # the driver retries the whole call
         return out
 
     def list_topics(self) -> set[str]:
@@ -353,12 +358,7 @@ class _Admin(Admin):
                                            request_timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
-        for future in futures.values():
-            try:
-                _result(future, self.timeout + 5)
-            except ClientError as err:
-                if err.native != "UNKNOWN_TOPIC_OR_PART":
-                    raise
+        self._raise_first(_outcomes(futures, self.timeout + 5, ("UNKNOWN_TOPIC_OR_PART",)))
 
     def delete_groups(self, groups: Collection[str]) -> None:
         try:
@@ -366,12 +366,14 @@ class _Admin(Admin):
                                                     request_timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
-        for future in futures.values():
-            try:
-                _result(future, self.timeout + 5)
-            except ClientError as err:
-                if err.native not in ("GROUP_ID_NOT_FOUND", "NON_EMPTY_GROUP"):
-                    raise
+        self._raise_first(_outcomes(futures, self.timeout + 5,
+                                    ("GROUP_ID_NOT_FOUND", "NON_EMPTY_GROUP")))
+
+    @staticmethod
+    def _raise_first(outcomes: Mapping[str, ClientError | None]) -> None:
+        for err in outcomes.values():
+            if err is not None:
+                raise err
 
     def close(self) -> None:
         # (AdminClient has no close: it is freed with its last reference)

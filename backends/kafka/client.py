@@ -80,7 +80,6 @@ class Settings:
     heartbeat_interval_ms: int = 1000
     max_poll_interval_ms: int = 30000
     fetch_max_wait_ms: int = 100
-    extra: Mapping[str, object] = field(default_factory=dict)
 
 
 class Outgoing(NamedTuple):

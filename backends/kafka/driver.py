@@ -374,8 +374,9 @@ class KafkaDriver(Driver):
         self.ensure_topics(set(names.values()))
         self.send(records, [e.id for e in envelopes])
 
-    def send(self, records: Sequence[Outgoing], ids: Sequence[str]) -> None:
-        """Write records and wait for every ack; raise naming the ones that failed."""
+    def send(self, records: Sequence[Outgoing], ids: Sequence[str] = ()) -> None:
+        """Write records and wait for every ack; raise naming the ones that failed (by
+        ``ids``, the messages' ids, for a ``PublishError``)."""
         try:
             results = self.producer.send(records, self.opts["request_timeout_ms"] / 1000 * 2)
         except Exception as exc:  # the producer could not be made: nothing was sent
@@ -385,7 +386,8 @@ class KafkaDriver(Driver):
         fatal: ClientError | None = None
         for i, err in enumerate(results):
             if err is None:
-                done.append(ids[i])
+                if ids:
+                    done.append(ids[i])
                 continue
             failed[i] = native(err, "publish failed", self.url)
             fatal = fatal or err
@@ -400,7 +402,7 @@ class KafkaDriver(Driver):
 
     def send_one(self, record: Outgoing) -> None:
         """Write one record and wait for its ack (one record per batch, see ``_read_all``)."""
-        self.send([record], [record.topic])
+        self.send([record])
 
     # -- groups --------------------------------------------------------------------------------
     def declare(self, spec: GroupSpec) -> None:

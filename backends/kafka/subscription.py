@@ -73,7 +73,6 @@ class KafkaSubscription(DriverSubscription):
         self.leased: dict[int, Rec] = {}
         self.parts: dict[TP, Part] = {}
         self.suspended: dict[TP, tuple[Part, list[Rec]]] = {}
-        self.pending: set[TP] = set()
         self.new_assignment: set[TP] | None = None
         self.slots: set[int] = set()
         self.slot_version = 0
@@ -703,8 +702,8 @@ class KafkaSubscription(DriverSubscription):
         with self.cv:
             for tp, records in batches.items():
                 part = self.parts.get(tp)
-                if part is None or tp in self.pending:
-                    continue  # a pending partition is positioned, then fetched again
+                if part is None:
+                    continue  # not (or no longer) ours: its owner reads it
                 retry = tp.topic == self.retry
                 inherited = part.inherited
                 for r in records:
