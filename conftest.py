@@ -86,6 +86,7 @@ def mq_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return raw
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist turns the marks into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = item.path.parts

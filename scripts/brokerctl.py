@@ -868,6 +868,19 @@ class ApacheKafka(_Managed):
     def _record(self, pid: int, **extra: object) -> None:
         super()._record(pid, group=self.group, node_id=self.node_id, **extra)
 
+    def _error(self, what: str) -> BrokerError:
+        """Kafka logs through log4j to server.log; its errors are the useful part."""
+        err = super()._error(what)
+        try:
+            lines = self.server_log.read_text(errors="replace").splitlines()
+        except OSError:
+            return err
+        bad = [ln for ln in lines if " ERROR " in ln or " WARN " in ln or "Exception" in ln]
+        if bad:
+            tail = "\n".join(f"    | {line}" for line in bad[-10:])
+            err = BrokerError(f"{err}\nerrors in {self.server_log}:\n{tail}")
+        return err
+
     def version(self) -> str | None:
         """The version the running broker logged at startup ("Kafka version: X")."""
         try:
