@@ -27,37 +27,59 @@ class Checkpoint(NamedTuple):
     ``deadline``: epoch seconds; no lease on a record below the mark runs past it.
     ``done``: settled offsets above the committed one (acked, re-published, dead-lettered),
     as ranges; a subset when it does not fit (those are delivered again, with the bump).
+    ``moving``: offsets whose copy with one attempt more may have been written to the
+    retry topic (an expired lease or a nack, between the fencing commit and the commit that
+    marks them done): a new owner gives them one attempt more again, so a holder that froze
+    inside that window and woke to finish its write never repeats an attempt. Always kept
+    whole (it holds the few records of one re-publish at a time).
     """
 
     mark: int = 0
     bump: int = 0
     deadline: float = 0.0
     done: tuple[tuple[int, int], ...] = ()
+    moving: tuple[tuple[int, int], ...] = ()
 
-    def encode(self, limit: int = CKPT_RANGES) -> str:
-        items: list[str] = []
-        size = 0
+    def fit(self, limit: int = CKPT_RANGES) -> Checkpoint:
+        """This checkpoint with as many ``done`` ranges as fit in ``limit`` characters
+        (the first ones); ``moving`` offsets are never cut."""
+        size = len(_text(self.moving))
+        kept = 0
         for a, b in self.done:
-            item = str(a) if a == b else f"{a}-{b}"
-            size += len(item) + 1
+            size += len(str(a) if a == b else f"{a}-{b}") + 1
             if size > limit:
                 break
-            items.append(item)
-        return f"{_CKPT} {self.mark} {self.bump} {int(self.deadline * 1000)} {','.join(items)}"
+            kept += 1
+        return self if kept == len(self.done) else self._replace(done=self.done[:kept])
+
+    def encode(self, limit: int = CKPT_RANGES) -> str:
+        ckpt = self.fit(limit)
+        head = (f"{_CKPT} {ckpt.mark} {ckpt.bump} {int(ckpt.deadline * 1000)} "
+                f"{_text(ckpt.done)}")
+        return f"{head} {_text(ckpt.moving)}" if ckpt.moving else head
 
     @classmethod
     def decode(cls, meta: str | None) -> Checkpoint:
         words = (meta or "").split(" ")
-        if len(words) != 5 or words[0] != _CKPT:
+        if len(words) not in (5, 6) or words[0] != _CKPT:
             return cls()  # none, or written by a plain client
         try:
-            done = []
-            for item in filter(None, words[4].split(",")):
-                a, _, b = item.partition("-")
-                done.append((int(a), int(b or a)))
-            return cls(int(words[1]), int(words[2]), int(words[3]) / 1000, tuple(done))
+            return cls(int(words[1]), int(words[2]), int(words[3]) / 1000,
+                       _parse(words[4]), _parse(words[5]) if len(words) == 6 else ())
         except ValueError:
             return cls()
+
+
+def _text(runs: tuple[tuple[int, int], ...]) -> str:
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _parse(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition("-")
+        out.append((int(a), int(b or a)))
+    return tuple(out)
 
 
 def ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
@@ -75,7 +97,8 @@ class Part:
     """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
 
     __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "hold", "inherited",
-                 "mark", "meta", "next_fetch", "order", "revoked_at", "sent_meta")
+                 "mark", "meta", "moved", "moving", "next_fetch", "order", "revoked_at",
+                 "sent_meta")
 
     def __init__(self, found: tuple[int, str] | None) -> None:
         committed = found[0] if found is not None else None
@@ -91,6 +114,8 @@ class Part:
         self.mark = max(ckpt.mark, committed or 0)
         self.deadline = ckpt.deadline
         self.revoked_at: tuple[int | None, str | None] | None = None
+        self.moving: set[int] = set()  # see Checkpoint.moving (carried on to later owners)
+        self.moved: frozenset[int] = frozenset()  # inherited moving offsets
         # Records below the inherited mark were handed to an application by earlier owners
         # that did not commit them: one attempt more than any of them gave (bump), not
         # before the last lease on them ends (hold), except those the checkpoint lists as
@@ -102,10 +127,17 @@ class Part:
             for a, b in ckpt.done:
                 if b >= committed:
                     self.done.update(range(max(a, committed), b + 1))
+            for a, b in ckpt.moving:
+                self.moving.update(range(max(a, committed), b + 1))
+            self.moved = frozenset(self.moving)
         else:
             self.inherited = 0
             self.bump = 0
             self.hold = 0.0
+
+    def extra_attempts(self, offset: int) -> int:
+        """Attempts to add to an inherited record below the mark (see ``__init__``)."""
+        return self.bump + (offset in self.moved)
 
     def fetched(self, offset: int) -> None:
         self.order.append(offset)
@@ -125,7 +157,15 @@ class Part:
         if point is None:
             point = self.committed
         done = [o for o in self.done if point is None or o >= point]
-        ckpt = Checkpoint(self.mark, self.bump, self.deadline, ranges(done))
+        if self.moving and point is not None:
+            self.moving = {o for o in self.moving if o >= point}
+        ckpt = Checkpoint(self.mark, self.bump, self.deadline, ranges(done),
+                          ranges(self.moving)).fit(limit)
+        if ckpt.moving:
+            # A moved record the checkpoint lists as done is skipped by a new owner; one
+            # whose done entry did not fit is delivered again, one attempt above its copy.
+            ckpt = ckpt._replace(moving=ranges(
+                [o for o in self.moving if not any(a <= o <= b for a, b in ckpt.done)]))
         return point, ckpt.encode(limit)
 
 

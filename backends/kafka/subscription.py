@@ -615,6 +615,7 @@ class KafkaSubscription(DriverSubscription):
         leases are kept (tried again shortly, or dropped when the partition turns out to
         have moved) and the hand-offs go back to the ready queue."""
         budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
+        self._mark_moving(expired)
         with self.lock:
             epoch = self.epoch
         try:
@@ -638,6 +639,17 @@ class KafkaSubscription(DriverSubscription):
                 self.cv.notify_all()
             return [], []
         return expired, handoff
+
+    def _mark_moving(self, recs: Collection[Rec]) -> None:
+        """Before the fence that precedes writing copies of ``recs`` with one attempt more:
+        their offsets ride in the checkpoint as moving until marked done, so that if this
+        consumer freezes between the fence and the write and then wakes to finish it, the
+        partition's new owner delivers the originals one attempt above the copies."""
+        with self.lock:
+            for rec in recs:
+                part = self.parts.get(rec.tp)
+                if part is not None:
+                    part.moving.add(rec.offset)
 
     def _begin_move(self, epoch: int) -> bool:
         """After a successful ``_fence``: count a re-publish in flight, unless a revocation
@@ -718,7 +730,7 @@ class KafkaSubscription(DriverSubscription):
                         # Handed to an application by owners that died, froze or lost the
                         # partition before settling it: one attempt more than any of them
                         # gave, and not before the last of their leases ends.
-                        rec.n += part.bump
+                        rec.n += part.extra_attempts(r.offset)
                         rec.due = max(rec.due, min(part.hold, now + self.d.capabilities.max_lease))
                     if rec.due > now:
                         heapq.heappush(self.held, (rec.due, next(self.seq), rec))
@@ -942,6 +954,7 @@ class KafkaSubscription(DriverSubscription):
         try:
             # A consumer woken from a freeze (or that lost the partition) must not write a
             # copy: the partition's new owner delivers the original with the same attempt.
+            self._mark_moving((rec,))
             self._fence_for(rec)
         except MQError:
             self._keep(rec, receipt)

@@ -158,6 +158,40 @@ def test_checkpoint_of_a_partition() -> None:
     assert _Checkpoint.decode(meta) == _Checkpoint(14, 1, 1700000005.0, ((13, 13),))
 
 
+def test_a_copy_possibly_written_by_a_frozen_holder_never_shares_its_attempt() -> None:
+    """Owner 1 handed out offset 12 (attempt 1), its lease ran out, it committed the fence
+    listing 12 as moving, then froze before (or after) writing the copy with attempt 2, and
+    woke after owner 2 took over. Owner 2 delivers the original with attempt 3, above the
+    copy's, and keeps 12 as moving for owner 3, who goes higher still; a chaos run once saw
+    attempt 2 twice here. A moving offset already committed as done is simply skipped."""
+    first = _Part((10, ""))  # a first owner: nothing inherited
+    for offset in range(10, 16):
+        first.fetched(offset)
+    first.mark = 14
+    first.moving.add(12)
+    _, meta = first.checkpoint()
+    assert _Checkpoint.decode(meta).moving == ((12, 12),)
+    second = _Part((10, meta))
+    copy_attempt = 0 + 1 + 1  # stored attempts 0, delivered as 1, copy written with 1 more
+    assert 0 + second.extra_attempts(12) + 1 > copy_attempt
+    assert second.extra_attempts(11) == second.bump == 1
+    for offset in range(10, 16):
+        second.fetched(offset)
+    _, meta2 = second.checkpoint()
+    third = _Part((10, meta2))
+    assert third.extra_attempts(12) > second.extra_attempts(12)
+    first.done.add(12)  # the copy landed and the original was marked done
+    _, meta3 = first.checkpoint()
+    assert _Checkpoint.decode(meta3).moving == () and 12 in _Part((10, meta3)).done
+
+
+def test_moving_offsets_survive_a_full_checkpoint() -> None:
+    many = _Checkpoint(10**9, 0, 0.0, tuple((i * 3, i * 3 + 1) for i in range(5000)),
+                       ((7, 9),))
+    assert _Checkpoint.decode(many.encode()).moving == ((7, 9),)
+    assert len(many.encode()) < 4096
+
+
 _VICTIM = textwrap.dedent(
     """
     import os, signal, sys, time
