@@ -220,8 +220,10 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
                 if is_poison:
                     raise ValueError("poison")
 
+            # Poison retries 1.5 s apart: the last failure comes ≥ 3 s after the first, time
+            # for the 30 others on a slow broker too (moto under a loaded CI took 2.2 s).
             stats = sub.consume(handler, idle_timeout=30, wait=0.5, stop=stop,
-                                backoff=Backoff(initial=0.5, maximum=1.0, jitter=0))
+                                backoff=Backoff(initial=1.5, maximum=1.5, jitter=0))
             sub.close()
             collect_dead(mq, group, ledger)
         finally:
