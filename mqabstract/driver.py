@@ -11,8 +11,11 @@ Contract for implementers:
   with messages built from ``url.redacted()`` — never the raw URL.
 * ``publish`` returns only when the broker has confirmed every envelope. On partial failure
   raise ``PublishError`` listing the confirmed ids and the failed indexes.
-* Receipts are opaque to the portable layer. Settling with a stale receipt (the lease
-  expired and the message went to someone else) must be ignored, not raise.
+* Receipts are opaque to the portable layer, which stops every settle at or after the
+  lease deadline. A driver that knows a lease is gone earlier (the connection or partition
+  that carried the message was lost) raises ``LeaseExpired`` from the settle.
+* Time is read through ``self.clock`` (the system clock unless the backend takes a
+  ``clock`` option): lease tables and delay tiers of the emulation toolkit are given it.
 * ``Delivery.attempt`` is 1 on first delivery and grows with each redelivery.
 """
 
@@ -23,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .capabilities import Capabilities
+from .clock import Clock, SystemClock
 from .errors import Unsupported
 from .model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats
 from .url import BrokerURL
@@ -63,6 +67,8 @@ class Driver(abc.ABC):
 
     #: Short backend name used in errors and the capability table ("rabbitmq").
     name: ClassVar[str] = "driver"
+    #: The clock the portable layer and the driver's emulation read (leases, delays).
+    clock: Clock = SystemClock()
 
     @classmethod
     @abc.abstractmethod

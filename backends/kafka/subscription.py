@@ -905,9 +905,20 @@ class KafkaSubscription(DriverSubscription):
             with self.cv:
                 self.cv.wait(min(0.05, left))
 
-    def _settle(self, token: Any) -> Rec | None:
+    def _stale(self, token: Any) -> LeaseExpired:
+        return LeaseExpired(f"kafka: receipt {token!r} of group {self.spec.name!r} is stale "
+                            "(its partition moved to another consumer, which delivers the "
+                            "message again)")
+
+    def _settle(self, token: Any) -> Rec:
+        """Take a leased record to settle it; ``LeaseExpired`` when the receipt is stale:
+        the portable layer stops settles at its deadline, so here its partition was
+        revoked (or the driver's own deadline, just after, passed)."""
         with self.lock:
-            return self.leased.pop(token, None)
+            rec = self.leased.pop(token, None)
+        if rec is None:
+            raise self._stale(token)
+        return rec
 
     def _done(self, rec: Rec) -> None:
         with self.lock:
@@ -918,14 +929,18 @@ class KafkaSubscription(DriverSubscription):
                 part.done.add(rec.offset)
 
     def ack(self, receipts: Sequence[Any]) -> None:
+        stale: list[Any] = []
         with self.lock:
             for token in receipts:
                 rec = self.leased.pop(token, None)
                 if rec is None:
-                    continue  # stale: the lease expired or the partition moved
+                    stale.append(token)  # the lease expired or the partition moved
+                    continue
                 part = self.parts.get(rec.tp) or self.suspended.get(rec.tp, (None, None))[0]
                 if part is not None:
                     part.done.add(rec.offset)
+        if stale:
+            raise self._stale(stale[0])
 
     def _relapse(self, rec: Rec, token: Any, deadline: float) -> None:
         """A re-publish or dead-letter write of a settled record failed (broker away):
@@ -949,8 +964,6 @@ class KafkaSubscription(DriverSubscription):
 
     def nack(self, receipt: Any, delay: float) -> None:
         rec = self._settle(receipt)
-        if rec is None:
-            return
         try:
             # A consumer woken from a freeze (or that lost the partition) must not write a
             # copy: the partition's new owner delivers the original with the same attempt.
@@ -976,7 +989,7 @@ class KafkaSubscription(DriverSubscription):
         with self.lock:
             rec = self.leased.get(receipt)
             if rec is None:
-                return  # stale: the lease expired or the partition moved
+                raise self._stale(receipt)  # the lease expired or the partition moved
             part = self.parts.get(rec.tp)
             if part is not None and part.deadline >= until:
                 rec.deadline = until
@@ -990,8 +1003,6 @@ class KafkaSubscription(DriverSubscription):
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         rec = self._settle(receipt)
-        if rec is None:
-            return
         headers = self._copy_headers(rec)
         headers += [(k, v.encode()) for k, v in dead_headers(reason, attempts,
                                                               time.time()).items()]

@@ -31,7 +31,7 @@ from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 
 from .io import _Admin, _describe, _Item, _Link, _Publisher
-from .subscription import RabbitMQSubscription, _Raw, _Receipt
+from .subscription import RabbitMQSubscription, _Raw
 from .watchdog import RELEASE_MARGIN, _Watchdog
 from .wire import (
     _BROKER_HEADERS,
@@ -283,7 +283,7 @@ class RabbitMQDriver(Driver):
         headers = raw.props.headers or {}
         return _text(headers[H_TOPIC]) if H_TOPIC in headers else raw.routing_key
 
-    def _delivery(self, raw: _Raw, attempt: int, receipt: _Receipt) -> Delivery:
+    def _delivery(self, raw: _Raw, attempt: int, receipt: int) -> Delivery:
         props = raw.props
         headers: dict[str, str] = {}
         key = None

@@ -9,7 +9,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +16,12 @@ import pika
 import pika.exceptions as pex
 
 from mqabstract.driver import DriverSubscription
-from mqabstract.emulation import dead_headers
+from mqabstract.emulation import LeaseTable, dead_headers
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
     InvalidArgument,
+    LeaseExpired,
     MQError,
     NotFound,
 )
@@ -73,38 +73,24 @@ class _Raw:
         return None
 
 
-class _Receipt:
-    """A leased message: our handle to settle it; stale once ``done`` (settled, expired, or
-    its channel closed and the broker delivers it again)."""
-
-    __slots__ = ("attempt", "deadline", "done", "extended", "raw")
-
-    def __init__(self, raw: _Raw, attempt: int, deadline: float) -> None:
-        self.raw = raw
-        self.attempt = attempt
-        self.deadline = deadline
-        self.done = False
-        self.extended = False
-
-
-
 class RabbitMQSubscription(DriverSubscription):
     """One consumer on a group queue: a connection and channel of its own (closing it
     hands back exactly this subscription's messages), a local buffer ordered by priority,
-    driver-kept leases that the lease watchdog backs up when this process freezes. Started
-    lazily on the first ``receive`` and stopped (its unread buffer handed back) when nobody
-    has called ``receive`` for a while, so an idle consumer never sits on messages that
-    another one could take.
+    driver-kept leases (the toolkit's ``LeaseTable``; a receipt is its token) that the lease
+    watchdog backs up when this process freezes. Started lazily on the first ``receive``
+    and stopped (its unread buffer handed back) when nobody has called ``receive`` for a
+    while, so an idle consumer never sits on messages that another one could take.
 
     Concurrency: ``receive``, ``ack``, ``nack``, ``extend``, ``dead_letter`` and ``close``
     run on application threads and share state with the I/O thread under ``_lock`` (the
     ``_locked`` methods expect it held); the ``_io_*`` methods and ``_io_tick`` run on the
     ``_Link`` I/O thread only, and application threads reach the pika objects through
     ``_link.call``. Watchdog reports go out under ``_lock``. Never retried: a settle of a
-    stale receipt (expired, or its channel gone) is a no-op, and a nack or dead-letter copy
-    that was not confirmed raises instead of being sent again (its original stays unacked
-    until this channel closes and the broker delivers it again); an expiry or buffer copy
-    that is not confirmed requeues its original.
+    stale receipt (expired, or its channel gone) raises ``LeaseExpired`` (the broker
+    delivers the message again), and a nack or dead-letter copy that was not confirmed
+    raises instead of being sent again (its original stays unacked until this channel
+    closes and the broker delivers it again); an expiry or buffer copy that is not
+    confirmed requeues its original.
     """
 
     def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
@@ -116,8 +102,8 @@ class RabbitMQSubscription(DriverSubscription):
         self._cond = threading.Condition(self._lock)
         self._buf: list[tuple[int, int, _Raw]] = []  # (-priority, seq, raw)
         self._seq = itertools.count()
-        self._leases: deque[_Receipt] = deque()
-        self._extended: list[tuple[float, int, _Receipt]] = []
+        # (message, its attempt) by receipt token, on the driver's clock
+        self._leases: LeaseTable[tuple[_Raw, int]] = LeaseTable(driver.clock)
         self._acks: list[tuple[int, int]] = []
         self._want = False  # a consumer should be running
         self._conn: Any = None  # this subscription's SelectConnection, when there is one
@@ -157,16 +143,8 @@ class RabbitMQSubscription(DriverSubscription):
         message is in flight."""
         if self._inflight > 0:
             return math.inf, False
-        leases = self._leases
-        while leases and (leases[0].done or leases[0].extended):
-            leases.popleft()
-        ext = self._extended
-        while ext and (ext[0][2].done or ext[0][2].deadline != ext[0][0]):
-            heapq.heappop(ext)
-        due = leases[0].deadline if leases else math.inf
-        if ext:
-            due = min(due, ext[0][0])
-        if due < math.inf:
+        due = self._leases.next_deadline()
+        if due is not None:
             return due, True
         if self._want or self._buf or self._receiving:
             return now + _WATCH_LIVE, False
@@ -426,14 +404,9 @@ class RabbitMQSubscription(DriverSubscription):
 
     def _forget_locked(self) -> None:
         """The channel is gone: the broker redelivers everything it had given us, so the
-        receipts are stale (settling one is a no-op, as after a lease expiry)."""
+        receipts are stale (settling one raises ``LeaseExpired``, as after a lease expiry)."""
         self._buf.clear()
-        for receipt in self._leases:
-            receipt.done = True
-        for _deadline, _seq, receipt in self._extended:
-            receipt.done = True
         self._leases.clear()
-        self._extended.clear()
         self._acks.clear()
         self._report_locked(time.monotonic())
         self._cond.notify_all()
@@ -506,21 +479,8 @@ class RabbitMQSubscription(DriverSubscription):
         self._io_send([c[1] for c in copies], _Pending(len(copies), done))
 
     def _io_tick(self, now: float) -> None:
-        expired: list[_Receipt] = []
         with self._lock:
-            leases = self._leases
-            while leases and (leases[0].done or leases[0].extended
-                              or leases[0].deadline <= now):
-                receipt = leases.popleft()
-                if not receipt.done and not receipt.extended:
-                    receipt.done = True
-                    expired.append(receipt)
-            ext = self._extended
-            while ext and (ext[0][2].done or ext[0][0] <= now):
-                deadline, _, receipt = heapq.heappop(ext)
-                if not receipt.done and receipt.deadline == deadline:
-                    receipt.done = True
-                    expired.append(receipt)
+            expired = self._leases.expired()
             idle = (self._ctag is not None and not self._cancelling and self._receiving == 0
                     and now - self._last_receive > self._idle)
             self._inflight += len(expired)
@@ -530,8 +490,8 @@ class RabbitMQSubscription(DriverSubscription):
             self._io_watch()
         if expired:
             self._io_copy_then_ack(
-                [(r.raw, self._driver._retry_item(r.raw, self.queue, r.attempt + 1, 0.0))
-                 for r in expired],
+                [(raw, self._driver._retry_item(raw, self.queue, attempt + 1, 0.0))
+                 for raw, attempt in expired],
                 lambda: self._release_done(len(expired)),
             )
         if idle:
@@ -605,7 +565,6 @@ class RabbitMQSubscription(DriverSubscription):
         self._check()
         # The lease starts with this call (the portable layer's deadline is no later).
         started = time.monotonic()
-        lease_until = started + self.spec.lease
         if not self._want or self._ch is None:
             self._want = True
             self._link.call(self._io_start)
@@ -653,9 +612,9 @@ class RabbitMQSubscription(DriverSubscription):
                             again.append((raw, None))
                             continue
                         attempt = raw.attempt()
-                        receipt = _Receipt(raw, attempt, lease_until)
-                        self._leases.append(receipt)
-                        out.append(self._driver._delivery(raw, attempt, receipt))
+                        token = self._leases.grant((raw, attempt), self.spec.lease,
+                                                   start=started)
+                        out.append(self._driver._delivery(raw, attempt, token))
                     self._inflight += len(again)
                     if out or again:
                         self._report_locked(time.monotonic())
@@ -681,38 +640,51 @@ class RabbitMQSubscription(DriverSubscription):
             self._link.call(lambda: self._io_copy_then_ack(
                 copies, lambda: self._release_done(count)))
 
-    def _take(self, receipt: Any) -> _Receipt | None:
-        """Mark a receipt settled; None when it is stale (its lease expired)."""
-        if not isinstance(receipt, _Receipt):
+    def _stale(self, receipt: Any) -> LeaseExpired:
+        why = self._lost_why or "its channel closed"
+        return LeaseExpired(f"rabbitmq: receipt {receipt!r} of group {self.spec.name!r} is "
+                            f"stale ({why}): the broker delivers the message again")
+
+    def _take(self, receipt: Any) -> tuple[_Raw, int]:
+        """Settle a receipt: its (message, attempt). ``LeaseExpired`` when it is stale: the
+        portable layer stops settles at its deadline, so here that means the channel that
+        carried the message is gone (or the driver's own deadline, just after, passed)."""
+        if not isinstance(receipt, int):
             raise InvalidArgument("not a receipt of this backend")
         with self._lock:
             self._sync_locked()
-            if receipt.done:
-                return None
-            receipt.done = True
+            held = self._leases.take(receipt)
+            if held is None:
+                raise self._stale(receipt)
             self._inflight += 1
             self._report_locked(time.monotonic())
-            return receipt
+            return held
 
     def ack(self, receipts: Sequence[Any]) -> None:
         self._check()
+        stale: list[Any] = []
         with self._lock:
             self._sync_locked()
             first = not self._acks
             for receipt in receipts:
-                if isinstance(receipt, _Receipt) and not receipt.done:
-                    receipt.done = True
-                    self._acks.append((receipt.raw.gen, receipt.raw.tag))
+                held = self._leases.take(receipt) if isinstance(receipt, int) else None
+                if held is None:
+                    stale.append(receipt)
+                else:
+                    self._acks.append((held[0].gen, held[0].tag))
             schedule = first and bool(self._acks)
             self._report_locked(time.monotonic())
         if schedule:
             self._link.call(self._io_flush_acks)
+        if stale:
+            raise self._stale(stale[0])
 
-    def _settle_by_copy(self, receipt: _Receipt, item: _Item, returned_ok: bool) -> _Pending:
+    def _settle_by_copy(self, held: tuple[_Raw, int], item: _Item, returned_ok: bool
+                        ) -> _Pending:
         """Publish ``item`` for a taken receipt; once it is confirmed (or returned, if
         ``returned_ok``) ack the original. Ends the in-flight count ``_take`` started (on the
         I/O thread once the ack is written)."""
-        raw = receipt.raw
+        raw = held[0]
         try:
             pend = self._driver._pub.publish([item], self._driver._publish_timeout)
         except BaseException:
@@ -734,11 +706,9 @@ class RabbitMQSubscription(DriverSubscription):
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
         taken = self._take(receipt)
-        if taken is None:
-            return
         due = time.time() + delay if delay > 0 else None
         try:
-            item = self._driver._retry_item(taken.raw, self.queue, taken.attempt + 1, due)
+            item = self._driver._retry_item(taken[0], self.queue, taken[1] + 1, due)
         except BaseException:
             self._release_done(1)
             raise
@@ -753,23 +723,18 @@ class RabbitMQSubscription(DriverSubscription):
 
     def extend(self, receipt: Any, seconds: float) -> None:
         self._check()
-        if not isinstance(receipt, _Receipt):
+        if not isinstance(receipt, int):
             raise InvalidArgument("not a receipt of this backend")
         with self._lock:
             self._sync_locked()
-            if receipt.done:
-                return
-            receipt.extended = True
-            receipt.deadline = time.monotonic() + seconds
-            heapq.heappush(self._extended, (receipt.deadline, next(self._seq), receipt))
+            if not self._leases.extend(receipt, seconds):
+                raise self._stale(receipt)
             self._report_locked(time.monotonic())
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         self._check()
         taken = self._take(receipt)
-        if taken is None:
-            return
-        raw = taken.raw
+        raw = taken[0]
         try:
             props = _copy_props(
                 raw.props,

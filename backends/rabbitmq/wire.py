@@ -3,14 +3,13 @@ property copies the driver re-publishes. Pure functions: no I/O, any thread."""
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from typing import Any
 
 import pika
 
 from mqabstract import wire
-from mqabstract.emulation import Tiers
+from mqabstract.emulation import Tiers, fit_name
 
 # Delay tiers in milliseconds: a message waits in the largest tier not longer than what is
 # left of its delay (the smallest tier when less is left), then is re-tiered if still early.
@@ -35,16 +34,8 @@ _MAX_NAME = 255  # AMQP short string
 
 
 def _queue_name(*parts: str) -> str:
-    """Join name parts; hash the tail when longer than AMQP's 255-byte limit.
-
-    Not ``emulation.fit_name``: this keeps the first 221 *characters* (not bytes) of a name
-    over 255 bytes, and existing queues carry those names; fit_name cuts bytes and fits a
-    255-byte name into ``limit`` only when ``limit`` is 255, where it keeps 222 bytes."""
-    name = ".".join(parts)
-    if len(name.encode()) <= _MAX_NAME:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:32]
-    return name[: _MAX_NAME - 34] + "~" + digest
+    """Join name parts; a name over AMQP's 255-byte limit keeps a head and a digest."""
+    return fit_name(".".join(parts), _MAX_NAME, digest_chars=32, sep="~")
 
 
 def _text(value: Any) -> str:
