@@ -326,11 +326,19 @@ class Subscription:
             lease_deadline = self._broker._monotonic() + spec.lease
             with self._broker._guard:
                 batch = self._inner.receive(want, min(remaining, step))
+            late = bool(batch) and self._broker._monotonic() >= lease_deadline
+            if late:
+                # The driver call outlasted the lease (a stalled broker call, a frozen
+                # process): every settle would raise, so nobody sees these; the backend
+                # delivers them again once its own lease on them ends.
+                log.warning("receive from group %r returned %d messages after their lease "
+                            "ended; they are delivered again", spec.name, len(batch))
             for delivery in batch:
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     self._expire(delivery)
                     continue
-                out.append(Message(delivery, self, lease_deadline))
+                if not late:
+                    out.append(Message(delivery, self, lease_deadline))
             if out or self._closed or time.monotonic() >= deadline:
                 break
         if out:

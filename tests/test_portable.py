@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
@@ -48,6 +49,33 @@ def test_lease_expiry_and_extend_on_fake_clock(mq: mqabstract.Broker, clock: Fak
     again.ack()
     clock.advance(3600)
     assert sub.receive(1, 0) == []
+
+
+def test_messages_returned_after_their_lease_ended_are_not_handed_out(
+        mq: mqabstract.Broker, clock: FakeClock) -> None:
+    """A driver call that outlasts the lease (here the clock jumps 31 s while the receive
+    waits) returns messages nobody could settle: they are not handed out, and come back
+    with the next attempt once the backend's own lease on them ends."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    got: list[mqabstract.Message] = []
+    calling = threading.Event()
+
+    def receive() -> None:
+        calling.set()
+        got.extend(sub.receive(1, 3.0))
+
+    waiter = threading.Thread(target=receive)
+    waiter.start()
+    calling.wait()
+    time.sleep(0.3)  # inside the driver's receive, its lease deadline taken
+    clock.advance(31)
+    mq.publish("a.b", b"x")
+    waiter.join()
+    assert got == []
+    clock.advance(31)
+    [m] = sub.receive(1, 0)
+    assert m.attempt == 2
+    m.ack()
 
 
 @pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
@@ -171,7 +199,7 @@ def test_blocking_receive_wakes_on_publish(mq: mqabstract.Broker) -> None:
 
 
 def test_blocking_receive_wakes_on_clock_advance(mq: mqabstract.Broker, clock: FakeClock) -> None:
-    sub = mq.subscribe("g", "#")
+    sub = mq.subscribe("g", "#", lease=300)  # the jump stays inside the receive's lease
     mq.publish("t", b"x", delay=100)
     threading.Timer(0.2, lambda: clock.advance(100)).start()
     assert [m.body for m in sub.receive(1, 5.0)] == [b"x"]
