@@ -118,6 +118,61 @@ def test_batch_with_bad_message_rejected_whole(mq_ctx: Ctx) -> None:
     mq_ctx.expect_none(sub)
 
 
+def test_column_publish(mq_ctx: Ctx) -> None:
+    """``publish_columns``: one topic, columns of bodies, ids, keys and headers (shared or
+    per row) arrive as the same messages ``publish`` would make, in chunks of max_batch."""
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"))
+    topic = mq_ctx.topic("cols")
+    n = min(2 * mq_ctx.caps.max_batch + 3, 120)
+    ids = [f"col-{mq_ctx.token}-{i}" for i in range(n)]
+    keys = [None if i % 3 == 0 else f"k{i % 4}" for i in range(n)]
+    got_ids = mq_ctx.broker.publish_columns(topic, [f"r{i}".encode() for i in range(n)],
+                                            ids=ids, keys=keys, headers={"src": "cols"})
+    assert got_ids == ids
+    texts = mq_ctx.broker.publish_columns(topic, ["é", "x"],
+                                          headers=[{"row": "0"}, None])
+    docs = mq_ctx.broker.publish_columns(topic, [{"a": 1}, b"raw"])
+    assert len(set(texts + docs)) == 4
+    got = {m.id: m for m in mq_ctx.drain(sub, n + 4)}
+    assert set(got) == {*ids, *texts, *docs}
+    for i, mid in enumerate(ids):
+        m = got[mid]
+        assert (m.topic, m.body, m.headers.get("src")) == (topic, f"r{i}".encode(), "cols")
+        if mq_ctx.caps.supports(Feature.ORDERING) or keys[i] is None:
+            assert m.key == keys[i]
+    assert got[texts[0]].value == "é" and got[texts[0]].headers["row"] == "0"
+    assert got[texts[1]].value == "x" and "row" not in got[texts[1]].headers
+    assert got[docs[0]].value == {"a": 1} and got[docs[1]].value == b"raw"
+    assert mq_ctx.broker.publish_columns(topic, []) == []
+
+
+BAD_COLUMNS = {
+    "bad id": (dict(ids=["a", "b c", "d"]), mqabstract.InvalidArgument, 1),
+    "key too long": (dict(keys=[None, None, "k" * 300]), mqabstract.InvalidArgument, 2),
+    "control char key": (dict(keys=["a\x00", None, None]), mqabstract.InvalidArgument, 0),
+    "bad header name": (dict(headers=[None, {"mq-id": "x"}, None]), mqabstract.ValidationError,
+                        1),
+    "unencodable body": (dict(bodies=[b"a", b"b", object()]), mqabstract.EncodeError, 2),
+    "ids count": (dict(ids=["a"]), mqabstract.InvalidArgument, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COLUMNS))
+def test_bad_column_rejected_whole(mq_ctx: Ctx, case: str) -> None:
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"))
+    change, error, index = BAD_COLUMNS[case]
+    args: dict = {"bodies": [b"a", b"b", b"c"], **change}
+    bodies = args.pop("bodies")
+    with pytest.raises(error) as info:
+        mq_ctx.broker.publish_columns(mq_ctx.topic("c"), bodies, **args)
+    assert info.value.index == index  # type: ignore[attr-defined]
+    big = b"x" * (mq_ctx.caps.max_body_bytes + 1)
+    with pytest.raises(mqabstract.MessageTooLarge) as too:
+        mq_ctx.broker.publish_columns(mq_ctx.topic("c"), [b"a", big])
+    assert too.value.index == 1
+    mq_ctx.expect_none(sub)
+
+
 BAD_PUBLISHES = {
     "empty topic": (dict(topic=""), mqabstract.InvalidName),
     "topic with space": (dict(topic="a b"), mqabstract.InvalidName),

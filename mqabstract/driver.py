@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from .capabilities import Capabilities
 from .clock import Clock, SystemClock
 from .errors import Unsupported
-from .model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats
+from .model import Columns, DeadLetter, Delivery, Envelope, GroupSpec, GroupStats
 from .url import BrokerURL
 
 __all__ = ["Driver", "DriverSubscription"]
@@ -83,6 +83,12 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def publish(self, envelopes: Sequence[Envelope]) -> None:
         """Send and wait for the broker's confirmation of every envelope."""
+
+    def publish_columns(self, columns: Columns) -> None:
+        """``publish`` for a column batch (at most ``max_batch`` rows), with the same duties
+        (confirmed on return; ``PublishError`` by row index). Override it where the native
+        client has a tighter loop than one envelope per row."""
+        self.publish(columns.envelopes())
 
     @abc.abstractmethod
     def declare(self, spec: GroupSpec) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from . import codec
 
-__all__ = ["DeadLetter", "Delivery", "Envelope", "GroupSpec", "GroupStats", "OutgoingMessage"]
+__all__ = ["Columns", "DeadLetter", "Delivery", "Envelope", "GroupSpec", "GroupStats",
+           "OutgoingMessage"]
 
 
 @dataclass(slots=True)
@@ -42,6 +43,46 @@ class Envelope:
     priority: int
     deliver_at: float | None
     published_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """A validated, encoded batch for one topic, column by column (``publish_columns``).
+
+    Row ``i`` is ``bodies[i]`` with id ``ids[i]`` and key ``keys[i]`` (``keys`` None: no
+    keys); its headers are ``headers`` (shared by every row, ``content-type`` included
+    when the codec set one) updated with ``row_headers[i]`` when that is given. No row is
+    delayed or prioritised; ``published_at`` (epoch) is the batch's.
+    """
+
+    topic: str
+    bodies: Sequence[bytes]
+    ids: Sequence[str]
+    keys: Sequence[str | None] | None
+    headers: Mapping[str, str]
+    row_headers: Sequence[Mapping[str, str] | None] | None
+    published_at: float
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def rows(self, start: int, stop: int) -> Columns:
+        """Rows ``start`` to ``stop`` (a chunk of at most a driver's batch size)."""
+        return Columns(self.topic, self.bodies[start:stop], self.ids[start:stop],
+                       None if self.keys is None else self.keys[start:stop], self.headers,
+                       None if self.row_headers is None else self.row_headers[start:stop],
+                       self.published_at)
+
+    def envelopes(self) -> list[Envelope]:
+        """The same rows as envelopes (the generic path of drivers without a column loop)."""
+        keys = self.keys or [None] * len(self.ids)
+        shared = self.headers
+        rows = self.row_headers or [None] * len(self.ids)
+        return [
+            Envelope(mid, self.topic, body, {**shared, **own} if own else shared, key, 0, None,
+                     self.published_at)
+            for mid, body, key, own in zip(self.ids, self.bodies, keys, rows, strict=True)
+        ]
 
 
 @dataclass(slots=True)
