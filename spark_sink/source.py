@@ -2,10 +2,11 @@
 
 Batch (``df.write.format("mqabstract")``) and Structured Streaming
 (``df.writeStream.format("mqabstract")``) both go through Arrow writers, so a task sees
-column batches and turns them into ``OutgoingMessage`` lists without per-row Spark ``Row``
-objects. Everything that can be checked without data — options, column names and types,
-the backend's reach and capabilities — is checked on the driver in ``writer()`` /
-``streamWriter()``, so a bad job fails before any message is sent.
+column batches and turns each into ``Broker.publish_columns`` calls (values, keys and
+headers converted per column) without per-row Spark ``Row`` objects. Everything that can
+be checked without data — options, column names and types, the backend's reach and
+capabilities — is checked on the driver in ``writer()`` / ``streamWriter()``, so a bad
+job fails before any message is sent.
 
 Delivery is at-least-once: a task returns its commit message only after the broker has
 confirmed every message it published, and a retried task or replayed micro-batch publishes
@@ -233,6 +234,49 @@ def _text(value: object, column: str) -> str:
     return value  # type: ignore[return-value]
 
 
+@dataclass
+class _Call:
+    """One ``publish_columns`` call (or, with priority/delay columns, one
+    ``publish_batch``): the rows of one topic from one Arrow batch."""
+
+    topic: str
+    ids: list[str]
+    bodies: list[Any]
+    keys: list[str | None] | None = None
+    headers: dict[str, str] | None = None
+    row_headers: list[dict[str, str] | None] | None = None
+    priorities: list[int | None] | None = None
+    delays: list[float | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def send(self, broker: mqabstract.Broker) -> None:
+        if self.priorities is None and self.delays is None:
+            broker.publish_columns(self.topic, self.bodies, ids=self.ids, keys=self.keys,
+                                   headers=self.headers, row_headers=self.row_headers)
+            return
+        n = len(self.ids)
+        none: list[Any] = [None] * n
+        keys, rows = self.keys or none, self.row_headers or none
+        prios, delays = self.priorities or none, self.delays or none
+        broker.publish_batch([
+            OutgoingMessage(self.topic, self.bodies[i],
+                            {**(self.headers or {}), **(rows[i] or {})} or None, keys[i],
+                            prios[i], delays[i], None, self.ids[i])
+            for i in range(n)
+        ])
+
+    def pick(self, rows: list[int]) -> _Call:
+        """The call for some of these rows (split by topic)."""
+        def sub(col: list[Any] | None) -> list[Any] | None:
+            return None if col is None else [col[i] for i in rows]
+
+        return _Call(self.topic, [self.ids[i] for i in rows], [self.bodies[i] for i in rows],
+                     sub(self.keys), self.headers, sub(self.row_headers),
+                     sub(self.priorities), sub(self.delays))
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a task needs, decided on the driver; pickled into every task."""
@@ -242,8 +286,10 @@ class _Plan:
     kinds: Mapping[str, str]
     batch_size: int
 
-    def messages(self, rb: pa.RecordBatch, prefix: str, base: int) -> list[OutgoingMessage]:
-        """Turn one Arrow batch into messages; row ``i`` gets id ``prefix + str(base + i)``."""
+    def calls(self, rb: pa.RecordBatch, prefix: str, base: int) -> list[_Call]:
+        """One Arrow batch as publish calls, column by column; row ``i`` gets id
+        ``prefix + str(base + i)``. Values, keys and headers are converted once per column;
+        rows are split by topic only when a ``topic`` column holds several."""
         n = rb.num_rows
         ids = [f"{prefix}{r}" for r in range(base, base + n)]
         cols = {name: rb.column(name) for name in self.kinds}
@@ -252,7 +298,7 @@ class _Plan:
             bad = value_col.is_null().to_pylist().index(True)
             raise _fail("value", f"null in row {ids[bad]}; publish an empty string or binary")
         values: list[Any] = value_col.to_pylist()
-        headers: list[Any] = [None] * n
+        shared: dict[str, str] | None = None
         if self.kinds["value"] == "json":
             conv = _plain(value_col.type)
             if conv is not None:
@@ -260,39 +306,45 @@ class _Plan:
             dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False,
                                      default=_json_default).encode
             values = [dumps(v).encode("utf-8") for v in values]
-            headers = [{codec.CONTENT_TYPE: codec.JSON} for _ in range(n)]
+            shared = {codec.CONTENT_TYPE: codec.JSON}
+        row_headers: list[dict[str, str] | None] | None = None
         if "headers" in cols:
             is_map = self.kinds["headers"] == "map"
-            for i, h in enumerate(cols["headers"].to_pylist()):
-                if not h:
-                    continue
-                pairs = h if is_map else ((e["key"], e["value"]) for e in h)
-                merged = headers[i] or {}
-                for k, v in pairs:
-                    if v is not None:
-                        merged[k] = _text(v, "headers")
-                headers[i] = merged or None
-        if self.topic is not None:
-            topics: list[Any] = [self.topic] * n
-        else:
-            topics = cols["topic"].to_pylist()
-            if cols["topic"].null_count:
-                bad = topics.index(None)
-                raise _fail("topic", f"null in row {ids[bad]} and no `topic` option is set")
-        keys: list[Any] = [None] * n
+            row_headers = []
+            for h in cols["headers"].to_pylist():
+                merged: dict[str, str] = {}
+                if h:
+                    for k, v in (h if is_map else ((e["key"], e["value"]) for e in h)):
+                        if v is not None:
+                            merged[k] = _text(v, "headers")
+                row_headers.append(merged or None)
+        keys: list[Any] | None = None
         if "key" in cols:
             keys = cols["key"].to_pylist()
             if self.kinds["key"] == "binary":
                 keys = [None if k is None else _text(k, "key") for k in keys]
-        prios: list[Any] = cols["priority"].to_pylist() if "priority" in cols else [None] * n
-        delays: list[Any] = [None] * n
+        prios = cols["priority"].to_pylist() if "priority" in cols else None
+        delays = None
         if "delay" in cols:
             delays = [None if d is None else float(d) for d in cols["delay"].to_pylist()]
-        return [
-            OutgoingMessage(topics[i], values[i], headers[i], keys[i], prios[i], delays[i],
-                            None, ids[i])
-            for i in range(n)
-        ]
+        if self.topic is not None:
+            return [_Call(self.topic, ids, values, keys, shared, row_headers, prios, delays)]
+        topics = cols["topic"].to_pylist()
+        if cols["topic"].null_count:
+            bad = topics.index(None)
+            raise _fail("topic", f"null in row {ids[bad]} and no `topic` option is set")
+        whole = _Call(topics[0], ids, values, keys, shared, row_headers, prios, delays)
+        if len(set(topics)) == 1:
+            return [whole]
+        by_topic: dict[str, list[int]] = {}
+        for i, t in enumerate(topics):
+            by_topic.setdefault(t, []).append(i)
+        calls = []
+        for t, rows in by_topic.items():
+            call = whole.pick(rows)
+            call.topic = t
+            calls.append(call)
+        return calls
 
 
 # -- the writers -------------------------------------------------------------------------------
@@ -322,18 +374,20 @@ def _publish_partition(
     partition = ctx.partitionId() if ctx else 0
     attempt = ctx.attemptNumber() if ctx else 0
     prefix = f"{job}.{batch_id}.{partition}."
-    chunks: queue.Queue[list[OutgoingMessage] | None] = queue.Queue(maxsize=2)
+    chunks: queue.Queue[list[_Call] | None] = queue.Queue(maxsize=2)
     failures: list[BaseException] = []
 
     def send() -> None:
         try:
             with mqabstract.connect(plan.url) as broker:
                 while (chunk := chunks.get()) is not None:
-                    try:
-                        broker.publish_batch(chunk)
-                    except ValidationError as exc:  # name the row, not the chunk index
-                        where = f"row {chunk[exc.index].id}: " if exc.index is not None else ""
-                        raise type(exc)(f"mqabstract sink: {where}{exc}") from exc
+                    for call in chunk:
+                        try:
+                            call.send(broker)
+                        except ValidationError as exc:  # name the row, not the index
+                            where = (f"row {call.ids[exc.index]}: "
+                                     if exc.index is not None else "")
+                            raise type(exc)(f"mqabstract sink: {where}{exc}") from exc
         except BaseException as exc:
             failures.append(exc)
             while chunks.get() is not None:  # unblock the converting thread
@@ -342,20 +396,17 @@ def _publish_partition(
     sender = threading.Thread(target=send, name=f"mqabstract-sink-{partition}", daemon=True)
     sender.start()
     row = 0
-    pending: list[OutgoingMessage] = []
+    size = plan.batch_size
     try:
         for rb in batches:
+            for start in range(0, rb.num_rows, size):
+                if failures:
+                    break
+                piece = rb.slice(start, size)  # zero-copy
+                chunks.put(plan.calls(piece, prefix, row))
+                row += piece.num_rows
             if failures:
                 break
-            if rb.num_rows == 0:
-                continue
-            pending.extend(plan.messages(rb, prefix, row))
-            row += rb.num_rows
-            while len(pending) >= plan.batch_size:
-                chunks.put(pending[: plan.batch_size])
-                pending = pending[plan.batch_size :]
-        if pending and not failures:
-            chunks.put(pending)
     finally:
         chunks.put(None)
         sender.join()

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import confluent_kafka as ck
@@ -127,15 +128,15 @@ def _native(tps: Collection[TP], offset: int = ck.OFFSET_INVALID) -> list[Any]:
 
 class _Batch:
     """Outcomes of one ``send`` call. librdkafka reports every delivery to ``landed``; a
-    failed one is matched to its record by the ``mq-id`` header (only then: the success
-    path does no per-record work beyond the count)."""
+    failed one is matched to its row by the ``mq-id`` header (only then: the success path
+    does no per-record work beyond the count)."""
 
-    __slots__ = ("errors", "left", "records")
+    __slots__ = ("errors", "headers", "left")
 
-    def __init__(self, records: Sequence[Outgoing]) -> None:
-        self.records = records
-        self.errors: list[ClientError | None] = [None] * len(records)
-        self.left = len(records)
+    def __init__(self, headers: Sequence[Sequence[tuple[str, Any]]]) -> None:
+        self.headers = headers
+        self.errors: list[ClientError | None] = [None] * len(headers)
+        self.left = len(headers)
 
     def landed(self, err: Any, msg: Any) -> None:
         self.left -= 1
@@ -143,11 +144,11 @@ class _Batch:
             self.errors[self._index(msg)] = _error(err)
 
     def _index(self, msg: Any) -> int:
-        if len(self.records) == 1:
+        if len(self.headers) == 1:
             return 0
         mid = dict(msg.headers() or ()).get(wire.ID)
-        for i, r in enumerate(self.records):
-            if self.errors[i] is None and (mid is None or (wire.ID, mid) in r.headers):
+        for i, h in enumerate(self.headers):
+            if self.errors[i] is None and (mid is None or (wire.ID, mid) in h):
                 return i
         return 0
 
@@ -181,32 +182,63 @@ class _Producer(Producer):
             raise classify(exc) from exc
 
     def send(self, records: Sequence[Outgoing], timeout: float) -> list[ClientError | None]:
-        batch = _Batch(records)
+        batch = _Batch([r.headers for r in records])
         produce: Any = self.p.produce  # (its stubs want invariant header lists)
-        flush = self.p.flush
         landed = batch.landed
         deadline = time.monotonic() + timeout
         for i, r in enumerate(records):
-            while True:
-                try:
-                    if r.partition is None:
-                        produce(r.topic, r.value, r.key, headers=r.headers,
-                                timestamp=r.timestamp_ms or 0, on_delivery=landed)
-                    else:
-                        produce(r.topic, r.value, r.key, r.partition, headers=r.headers,
-                                timestamp=r.timestamp_ms or 0, on_delivery=landed)
-                    break
-                except BufferError:  # the local queue is full: let librdkafka send some
-                    flush(0.05)
-                    if time.monotonic() >= deadline:
-                        batch.fail(i, ClientError(Kind.TIMEOUT, "producer queue full"))
-                        break
-                except Exception as exc:
-                    batch.fail(i, classify(exc))
-                    break
+            args = (r.topic, r.value, r.key) if r.partition is None else (
+                r.topic, r.value, r.key, r.partition)
+            try:
+                produce(*args, headers=r.headers, timestamp=r.timestamp_ms or 0,
+                        on_delivery=landed)
+            except Exception as exc:
+                self._again(batch, i, exc, deadline, partial(
+                    produce, *args, headers=r.headers, timestamp=r.timestamp_ms or 0,
+                    on_delivery=landed))
+        return self._wait(batch, deadline, timeout)
+
+    def send_rows(self, topic: str, values: Sequence[bytes], keys: Sequence[bytes | None] | None,
+                  headers: Sequence[list[tuple[str, bytes]]], timestamp_ms: int, timeout: float
+                  ) -> list[ClientError | None]:
+        """The column path's loop: one ``produce`` per row and nothing else."""
+        batch = _Batch(headers)
+        produce: Any = self.p.produce
+        landed = batch.landed
+        deadline = time.monotonic() + timeout
+        rows = zip(values, keys if keys is not None else [None] * len(values), headers,
+                   strict=True)
+        for i, (value, key, hdrs) in enumerate(rows):
+            try:
+                produce(topic, value, key, headers=hdrs, timestamp=timestamp_ms,
+                        on_delivery=landed)
+            except Exception as exc:
+                self._again(batch, i, exc, deadline, partial(
+                    produce, topic, value, key, headers=hdrs, timestamp=timestamp_ms,
+                    on_delivery=landed))
+        return self._wait(batch, deadline, timeout)
+
+    def _again(self, batch: _Batch, i: int, exc: Exception, deadline: float,
+               produce: Callable[[], None]) -> None:
+        """A ``produce`` raised: while librdkafka's local queue is full, let it send some
+        and try again until ``deadline``; any other error fails the row."""
+        while isinstance(exc, BufferError):
+            self.p.flush(0.05)
+            if time.monotonic() >= deadline:
+                batch.fail(i, ClientError(Kind.TIMEOUT, "producer queue full"))
+                return
+            try:
+                produce()
+                return
+            except Exception as again:
+                exc = again
+        batch.fail(i, classify(exc))
+
+    def _wait(self, batch: _Batch, deadline: float, timeout: float) -> list[ClientError | None]:
         # Short flushes: each sends what is queued at once (no linger) and serves delivery
         # reports, whichever thread's they are; a flush waits for the whole queue, so it is
         # kept short and our own count decides.
+        flush = self.p.flush
         while batch.left > 0:
             left = deadline - time.monotonic()
             if left <= 0:

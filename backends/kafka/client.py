@@ -117,6 +117,15 @@ class Producer(abc.ABC):
         for every acknowledgement; the result says, per record, None (acknowledged) or why
         not. Never raises for a single record's failure."""
 
+    def send_rows(self, topic: str, values: Sequence[bytes], keys: Sequence[bytes | None] | None,
+                  headers: Sequence[list[tuple[str, bytes]]], timestamp_ms: int, timeout: float
+                  ) -> list[ClientError | None]:
+        """``send`` for rows of one topic given as columns (``keys`` None: no keys);
+        implementations with a tighter produce loop override it."""
+        ks: Sequence[bytes | None] = keys if keys is not None else [None] * len(values)
+        return self.send([Outgoing(topic, v, k, h, None, timestamp_ms)
+                          for v, k, h in zip(values, ks, headers, strict=True)], timeout)
+
     @abc.abstractmethod
     def partitions(self, topic: str) -> set[int] | None:
         """The topic's partitions from (cached) metadata; None when unknown."""

@@ -164,11 +164,17 @@ def test_arrow_rows_become_messages_with_json_and_ids() -> None:
     })
     plan = _Plan("sqlite:///unused.db", "t.x", {"value": "json", "headers": "map",
                                                  "key": "binary"}, 10)
-    msgs = plan.messages(rb, "job.0.3.", 7)
-    assert [m.id for m in msgs] == ["job.0.3.7", "job.0.3.8"]
-    assert [json.loads(m.body) for m in msgs] == [{"n": 1, "m": {"a": 1.5}}, {"n": 2, "m": {}}]
-    assert msgs[0].headers == {"content-type": "application/json", "h": "x"}
-    assert [m.key for m in msgs] == ["k1", None]
+    [call] = plan.calls(rb, "job.0.3.", 7)
+    assert call.ids == ["job.0.3.7", "job.0.3.8"] and call.topic == "t.x"
+    assert [json.loads(b) for b in call.bodies] == [{"n": 1, "m": {"a": 1.5}}, {"n": 2, "m": {}}]
+    assert call.headers == {"content-type": "application/json"}
+    assert call.row_headers == [{"h": "x"}, None]
+    assert call.keys == ["k1", None]
+    split = _Plan("sqlite:///unused.db", None, {"value": "bytes", "topic": "topic"}, 10).calls(
+        pa.RecordBatch.from_pydict({"value": [b"a", b"b", b"c"], "topic": ["t.1", "t.2", "t.1"]}),
+        "j.0.0.", 0)
+    assert [(c.topic, c.ids, c.bodies) for c in split] == [
+        ("t.1", ["j.0.0.0", "j.0.0.2"], [b"a", b"c"]), ("t.2", ["j.0.0.1"], [b"b"])]
     assert message_id("job", 0, 3, 7) == "job.0.3.7"
 
 
