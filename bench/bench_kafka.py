@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_kafka.py [--url kafka://127.0.0.1:9092] [--n 50000]
         [--size 100] [--batch 1000] [--rounds 2] [--single 2000]
-        [--only publish|single|consume ...] [--clients confluent,kafka-python]
+        [--only publish|columns|single|consume ...] [--clients confluent,kafka-python]
 
 For each client (``confluent``: confluent-kafka / librdkafka; ``kafka-python``) one run
 measures, against the same broker, ``size``-byte keyed records, acks=all, idempotent:
@@ -12,6 +12,8 @@ measures, against the same broker, ``size``-byte keyed records, acks=all, idempo
   records and waiting for every delivery confirmation — the better of "send all, then
   flush" and "flush every ``batch``" is the baseline. Raw confluent learns failures the
   cheap way: ``delivery.report.only.error`` with one callback that records errors.
+* columns: the same records through ``Broker.publish_columns`` (one topic, bodies and keys as
+  columns, chunks of ``batch``), against the same raw baseline.
 * single: one message per call, waiting for its ack, ``single`` times (mqabstract:
   ``Broker.publish``; raw, linger 0: confluent ``produce`` + ``flush``, kafka-python
   ``send().get()``).
@@ -47,8 +49,9 @@ from kafka import KafkaConsumer, KafkaProducer
 import mqabstract
 
 CLIENTS = ("confluent", "kafka-python")
-OPS = ("publish", "single", "consume")
-OP_NAMES = {"publish": "publish_batch", "single": "single publish", "consume": "receive+ack"}
+OPS = ("publish", "columns", "single", "consume")
+OP_NAMES = {"publish": "publish_batch", "columns": "publish_columns", "single": "single publish",
+            "consume": "receive+ack"}
 PARTITIONS = 4  # the driver's default ``partitions``: raw topics get the same
 WAIT = 120.0  # give up on a consume after this long (reported as n/a)
 HARD = WAIT + 60.0  # a call not back by then is left behind on its thread (n/a: hung)
@@ -251,6 +254,17 @@ def mq_publish(broker: mqabstract.Broker, topic: str, keys: list[str], body: byt
     return rate(len(keys), time.perf_counter() - start)
 
 
+def mq_columns(broker: mqabstract.Broker, topic: str, keys: list[str], body: bytes,
+               batch: int) -> float:
+    broker.publish(topic, b"warm-up")
+    start = time.perf_counter()
+    bodies = [body] * batch
+    for lo in range(0, len(keys), batch):
+        chunk = keys[lo:lo + batch]
+        broker.publish_columns(topic, bodies[:len(chunk)], keys=chunk)
+    return rate(len(keys), time.perf_counter() - start)
+
+
 def mq_single(broker: mqabstract.Broker, topic: str, n: int, body: bytes) -> float:
     broker.publish(topic, b"warm-up")
     start = time.perf_counter()
@@ -351,6 +365,14 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
             mq("publish", lambda b: mq_publish(b, f"bench.{tag}.t", keys, body,
                                                args.batch))
             published = ("publish", client, "mq") in res.best
+        if "columns" in ops:
+            raw_topic = f"bench-raw-{tag}-p2"
+            create_topics(admin, [raw_topic])
+            res.run(("columns", client, "raw"), lambda r=raw, t=raw_topic:
+                    max(r.produce(t, raw_keys, body),
+                        r.produce(t, raw_keys, body, args.batch)))
+            mq("columns", lambda b: mq_columns(b, f"bench.{tag}.c", keys, body,
+                                               args.batch))
         if "single" in ops:
             raw_topic = f"bench-raw-{tag}-s"
             create_topics(admin, [raw_topic])

@@ -126,38 +126,38 @@ def _native(tps: Collection[TP], offset: int = ck.OFFSET_INVALID) -> list[Any]:
     return [ck.TopicPartition(t, p, offset) for t, p in tps]
 
 
-class _Batch:
-    """Outcomes of one ``send`` call. librdkafka reports every delivery to ``landed``; a
-    failed one is matched to its row by the ``mq-id`` header (only then: the success path
-    does no per-record work beyond the count)."""
+class _Lane:
+    """One librdkafka producer, used by one ``send`` at a time: its ``flush`` then waits
+    for that send's records only, so success needs no per-record callback. librdkafka
+    reports only failures (``delivery.report.only.error``), to ``failed``."""
 
-    __slots__ = ("errors", "headers", "left")
+    __slots__ = ("failures", "p")
 
-    def __init__(self, headers: Sequence[Sequence[tuple[str, Any]]]) -> None:
-        self.headers = headers
-        self.errors: list[ClientError | None] = [None] * len(headers)
-        self.left = len(headers)
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        self.failures: list[tuple[Any, Any]] = []
+        self.p = ck.Producer({**cfg, "delivery.report.only.error": True,
+                              "on_delivery": self.failed})
 
-    def landed(self, err: Any, msg: Any) -> None:
-        self.left -= 1
-        if err is not None:
-            self.errors[self._index(msg)] = _error(err)
+    def failed(self, err: Any, msg: Any) -> None:
+        self.failures.append((err, msg))
 
-    def _index(self, msg: Any) -> int:
-        if len(self.headers) == 1:
-            return 0
-        mid = dict(msg.headers() or ()).get(wire.ID)
-        for i, h in enumerate(self.headers):
-            if self.errors[i] is None and (mid is None or (wire.ID, mid) in h):
-                return i
-        return 0
 
-    def fail(self, i: int, err: ClientError) -> None:
-        self.errors[i] = err
-        self.left -= 1
+def _row_of(headers: Sequence[Sequence[tuple[str, Any]]]) -> dict[Any, int]:
+    """Row index by ``mq-id`` header value (to place a failure; built only then)."""
+    out: dict[Any, int] = {}
+    for i, hdrs in enumerate(headers):
+        for k, v in hdrs:
+            if k == wire.ID:
+                out.setdefault(v if isinstance(v, bytes) else str(v).encode(), i)
+    return out
 
 
 class _Producer(Producer):
+    """Sends through lanes (``_Lane``): a send takes an idle one or opens another, so
+    concurrent sends never wait for each other's records; up to ``_IDLE`` stay open."""
+
+    _IDLE = 4
+
     def __init__(self, s: Settings) -> None:
         cfg = _config(s)
         cfg.update({
@@ -166,6 +166,7 @@ class _Producer(Producer):
             "linger.ms": s.linger_ms,
             "batch.size": 1_000_000,
             "message.max.bytes": 1_048_576,
+            "queue.buffering.max.messages": 200_000,
             "allow.auto.create.topics": False,  # every topic is created explicitly
             "request.timeout.ms": s.request_timeout_ms,
             # A record not acknowledged by then is reported failed (a publish waits twice
@@ -173,83 +174,103 @@ class _Producer(Producer):
             "message.timeout.ms": 2 * s.request_timeout_ms,
             "topic.metadata.refresh.interval.ms": 30000,
         })
-        self.p = ck.Producer(cfg)
+        self.cfg = cfg
         self.s = s
+        self.lock = threading.Lock()
+        self.idle: list[_Lane] = []
         self.parts: dict[str, tuple[set[int], float]] = {}
+        self.p = self._open().p  # metadata; also the first idle lane
         try:  # librdkafka connects lazily: a bad address fails here, at open
             self.p.list_topics(timeout=s.connect_timeout)
         except Exception as exc:
             raise classify(exc) from exc
 
+    def _open(self) -> _Lane:
+        lane = _Lane(self.cfg)
+        with self.lock:
+            self.idle.append(lane)
+        return lane
+
+    def _take(self) -> _Lane:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        lane = _Lane(self.cfg)
+        return lane
+
+    def _give(self, lane: _Lane, clean: bool) -> None:
+        """Back to the idle lanes when nothing of this send is left in it (else closed:
+        late reports must not reach the next send)."""
+        with self.lock:
+            if clean and len(self.idle) < self._IDLE:
+                self.idle.append(lane)
+                return
+        threading.Thread(target=_drop, args=(lane, self.s.request_timeout_ms / 1000),
+                         name="mqabstract-kafka-lane-close", daemon=True).start()
+
     def send(self, records: Sequence[Outgoing], timeout: float) -> list[ClientError | None]:
-        batch = _Batch([r.headers for r in records])
-        produce: Any = self.p.produce  # (its stubs want invariant header lists)
-        landed = batch.landed
         deadline = time.monotonic() + timeout
-        for i, r in enumerate(records):
-            args = (r.topic, r.value, r.key) if r.partition is None else (
-                r.topic, r.value, r.key, r.partition)
-            try:
-                produce(*args, headers=r.headers, timestamp=r.timestamp_ms or 0,
-                        on_delivery=landed)
-            except Exception as exc:
-                self._again(batch, i, exc, deadline, partial(
-                    produce, *args, headers=r.headers, timestamp=r.timestamp_ms or 0,
-                    on_delivery=landed))
-        return self._wait(batch, deadline, timeout)
+        lane = self._take()
+        errors: list[ClientError | None] = [None] * len(records)
+        produce: Any = lane.p.produce
+        try:
+            for i, r in enumerate(records):
+                args = (r.topic, r.value, r.key) if r.partition is None else (
+                    r.topic, r.value, r.key, r.partition)
+                kwargs: dict[str, Any] = {"headers": r.headers,
+                                          "timestamp": r.timestamp_ms or 0}
+                try:
+                    produce(*args, **kwargs)
+                except Exception as exc:
+                    errors[i] = _again(lane, exc, deadline, partial(produce, *args, **kwargs))
+        except BaseException:
+            self._give(lane, False)  # (records of this send may still report to it)
+            raise
+        return self._finish(lane, errors, [r.headers for r in records], deadline, timeout)
 
     def send_rows(self, topic: str, values: Sequence[bytes], keys: Sequence[bytes | None] | None,
                   headers: Sequence[list[tuple[str, bytes]]], timestamp_ms: int, timeout: float
                   ) -> list[ClientError | None]:
         """The column path's loop: one ``produce`` per row and nothing else."""
-        batch = _Batch(headers)
-        produce: Any = self.p.produce
-        landed = batch.landed
         deadline = time.monotonic() + timeout
-        rows = zip(values, keys if keys is not None else [None] * len(values), headers,
-                   strict=True)
-        for i, (value, key, hdrs) in enumerate(rows):
-            try:
-                produce(topic, value, key, headers=hdrs, timestamp=timestamp_ms,
-                        on_delivery=landed)
-            except Exception as exc:
-                self._again(batch, i, exc, deadline, partial(
-                    produce, topic, value, key, headers=hdrs, timestamp=timestamp_ms,
-                    on_delivery=landed))
-        return self._wait(batch, deadline, timeout)
+        lane = self._take()
+        errors: list[ClientError | None] = [None] * len(values)
+        produce: Any = lane.p.produce  # (its stubs want invariant header lists)
+        ks = keys if keys is not None else [None] * len(values)
+        try:
+            for i, (value, key, hdrs) in enumerate(zip(values, ks, headers, strict=True)):
+                try:
+                    produce(topic, value, key, headers=hdrs, timestamp=timestamp_ms)
+                except Exception as exc:
+                    errors[i] = _again(lane, exc, deadline, partial(
+                        produce, topic, value, key, headers=hdrs, timestamp=timestamp_ms))
+        except BaseException:
+            self._give(lane, False)
+            raise
+        return self._finish(lane, errors, headers, deadline, timeout)
 
-    def _again(self, batch: _Batch, i: int, exc: Exception, deadline: float,
-               produce: Callable[[], None]) -> None:
-        """A ``produce`` raised: while librdkafka's local queue is full, let it send some
-        and try again until ``deadline``; any other error fails the row."""
-        while isinstance(exc, BufferError):
-            self.p.flush(0.05)
-            if time.monotonic() >= deadline:
-                batch.fail(i, ClientError(Kind.TIMEOUT, "producer queue full"))
-                return
-            try:
-                produce()
-                return
-            except Exception as again:
-                exc = again
-        batch.fail(i, classify(exc))
-
-    def _wait(self, batch: _Batch, deadline: float, timeout: float) -> list[ClientError | None]:
-        # Short flushes: each sends what is queued at once (no linger) and serves delivery
-        # reports, whichever thread's they are; a flush waits for the whole queue, so it is
-        # kept short and our own count decides.
-        flush = self.p.flush
-        while batch.left > 0:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            flush(min(left, 0.01))
-        if batch.left > 0:
-            for i, err in enumerate(batch.errors):
-                if err is None:
-                    batch.errors[i] = ClientError(
-                        Kind.TIMEOUT, f"not acknowledged within {timeout:.1f}s")
-        return batch.errors
+    def _finish(self, lane: _Lane, errors: list[ClientError | None],
+                headers: Sequence[Sequence[tuple[str, Any]]], deadline: float, timeout: float
+                ) -> list[ClientError | None]:
+        """Wait for the lane's records; place the failures librdkafka reported (by their
+        ``mq-id`` header) and time out the rest when not all were acknowledged."""
+        clean = False
+        try:
+            left = lane.p.flush(max(0.0, deadline - time.monotonic()))
+            clean = left == 0
+        finally:
+            failures, lane.failures = lane.failures, []
+            self._give(lane, clean)
+        if failures:
+            n = len(errors)
+            rows = _row_of(headers) if n > 1 else {}
+            for err, msg in failures:
+                mid = dict(msg.headers() or ()).get(wire.ID) if n > 1 else None
+                errors[rows.get(mid, 0) if mid is not None else 0] = _error(err)
+        if not clean:
+            late = ClientError(Kind.TIMEOUT, f"not acknowledged within {timeout:.1f}s")
+            errors = [e or late for e in errors]
+        return errors
 
     def partitions(self, topic: str) -> set[int] | None:
         """Cached for 30 s; while a node is away (a metadata request may wait for it) the
@@ -276,10 +297,33 @@ class _Producer(Producer):
             self.parts.pop(topic, None)
 
     def close(self, timeout: float) -> None:
+        with self.lock:
+            lanes, self.idle = self.idle, []
+        for lane in lanes:
+            _drop(lane, timeout)
+
+
+def _again(lane: _Lane, exc: Exception, deadline: float, produce: Callable[[], None]
+           ) -> ClientError | None:
+    """A ``produce`` raised: while librdkafka's local queue is full, let it send some and
+    try again until ``deadline``; any other error fails the row (returned)."""
+    while isinstance(exc, BufferError):
+        lane.p.poll(0.05)
+        if time.monotonic() >= deadline:
+            return ClientError(Kind.TIMEOUT, "producer queue full")
         try:
-            self.p.flush(timeout)
-        except Exception as exc:
-            log.debug("kafka: producer flush at close: %s", exc)
+            produce()
+            return None
+        except Exception as again:
+            exc = again
+    return classify(exc)
+
+
+def _drop(lane: _Lane, timeout: float) -> None:
+    try:
+        lane.p.flush(timeout)
+    except Exception as exc:
+        log.debug("kafka: producer flush at close: %s", exc)
 
 
 def _result(future: Any, timeout: float) -> Any:
