@@ -142,14 +142,12 @@ class _Lane:
         self.failures.append((err, msg))
 
 
-def _row_of(headers: Sequence[Sequence[tuple[str, Any]]]) -> dict[Any, int]:
-    """Row index by ``mq-id`` header value (to place a failure; built only then)."""
-    out: dict[Any, int] = {}
-    for i, hdrs in enumerate(headers):
-        for k, v in hdrs:
-            if k == wire.ID:
-                out.setdefault(v if isinstance(v, bytes) else str(v).encode(), i)
-    return out
+def _id_of(headers: Sequence[tuple[str, Any]]) -> bytes | None:
+    """A record's ``mq-id`` header value (to place a failure)."""
+    for k, v in headers:
+        if k == wire.ID:
+            return v if isinstance(v, bytes) else str(v).encode()
+    return None
 
 
 class _Producer(Producer):
@@ -226,19 +224,26 @@ class _Producer(Producer):
         except BaseException:
             self._give(lane, False)  # (records of this send may still report to it)
             raise
-        return self._finish(lane, errors, [r.headers for r in records], deadline, timeout)
+        return self._finish(lane, errors, [_id_of(r.headers) for r in records], deadline,
+                            timeout)
 
     def send_rows(self, topic: str, values: Sequence[bytes], keys: Sequence[bytes | None] | None,
-                  headers: Sequence[list[tuple[str, bytes]]], timestamp_ms: int, timeout: float
-                  ) -> list[ClientError | None]:
-        """The column path's loop: one ``produce`` per row and nothing else."""
+                  ids: Sequence[str], headers: list[tuple[str, bytes]],
+                  row_headers: Sequence[list[tuple[str, bytes]] | None] | None,
+                  timestamp_ms: int, timeout: float) -> list[ClientError | None]:
+        """The column path's loop: one ``produce`` per row and nothing else; each row's
+        header list lives only for its call (see ``Producer.send_rows``)."""
         deadline = time.monotonic() + timeout
         lane = self._take()
-        errors: list[ClientError | None] = [None] * len(values)
+        n = len(values)
+        errors: list[ClientError | None] = [None] * n
         produce: Any = lane.p.produce  # (its stubs want invariant header lists)
-        ks = keys if keys is not None else [None] * len(values)
+        ks = keys if keys is not None else [None] * n
+        rows = row_headers if row_headers is not None else [None] * n
+        ID = wire.ID
         try:
-            for i, (value, key, hdrs) in enumerate(zip(values, ks, headers, strict=True)):
+            for i, (value, key, mid, own) in enumerate(zip(values, ks, ids, rows, strict=True)):
+                hdrs = [*headers, *own, (ID, mid)] if own else [*headers, (ID, mid)]
                 try:
                     produce(topic, value, key, headers=hdrs, timestamp=timestamp_ms)
                 except Exception as exc:
@@ -247,11 +252,10 @@ class _Producer(Producer):
         except BaseException:
             self._give(lane, False)
             raise
-        return self._finish(lane, errors, headers, deadline, timeout)
+        return self._finish(lane, errors, ids, deadline, timeout)
 
-    def _finish(self, lane: _Lane, errors: list[ClientError | None],
-                headers: Sequence[Sequence[tuple[str, Any]]], deadline: float, timeout: float
-                ) -> list[ClientError | None]:
+    def _finish(self, lane: _Lane, errors: list[ClientError | None], ids: Sequence[Any],
+                deadline: float, timeout: float) -> list[ClientError | None]:
         """Wait for the lane's records; place the failures librdkafka reported (by their
         ``mq-id`` header) and time out the rest when not all were acknowledged."""
         clean = False
@@ -263,7 +267,8 @@ class _Producer(Producer):
             self._give(lane, clean)
         if failures:
             n = len(errors)
-            rows = _row_of(headers) if n > 1 else {}
+            rows = {(m if isinstance(m, bytes) else str(m).encode()): i
+                    for i, m in enumerate(ids)} if n > 1 else {}
             for err, msg in failures:
                 mid = dict(msg.headers() or ()).get(wire.ID) if n > 1 else None
                 errors[rows.get(mid, 0) if mid is not None else 0] = _error(err)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from mqabstract import wire
+
 __all__ = ["TP", "Admin", "Client", "ClientError", "Fetched", "Kind", "Member", "Outgoing",
            "Pending", "Producer", "Reader", "Settings", "available", "load"]
 
@@ -118,13 +120,21 @@ class Producer(abc.ABC):
         not. Never raises for a single record's failure."""
 
     def send_rows(self, topic: str, values: Sequence[bytes], keys: Sequence[bytes | None] | None,
-                  headers: Sequence[list[tuple[str, bytes]]], timestamp_ms: int, timeout: float
-                  ) -> list[ClientError | None]:
-        """``send`` for rows of one topic given as columns (``keys`` None: no keys);
-        implementations with a tighter produce loop override it."""
-        ks: Sequence[bytes | None] = keys if keys is not None else [None] * len(values)
-        return self.send([Outgoing(topic, v, k, h, None, timestamp_ms)
-                          for v, k, h in zip(values, ks, headers, strict=True)], timeout)
+                  ids: Sequence[str], headers: list[tuple[str, bytes]],
+                  row_headers: Sequence[list[tuple[str, bytes]] | None] | None,
+                  timestamp_ms: int, timeout: float) -> list[ClientError | None]:
+        """``send`` for rows of one topic given as columns: row ``i`` carries ``headers``,
+        then ``row_headers[i]``, then its ``mq-id`` (``ids[i]``); ``keys`` None: no keys.
+        Implementations with a tighter produce loop override it (building each row's header
+        list inside the loop keeps it short-lived: a batch of them alive at once makes the
+        cyclic garbage collector run over and over)."""
+        n = len(values)
+        ks: Sequence[bytes | None] = keys if keys is not None else [None] * n
+        rows: Sequence[list[tuple[str, bytes]] | None] = row_headers or [None] * n
+        return self.send([
+            Outgoing(topic, v, k, [*headers, *(own or ()), (wire.ID, mid.encode())], None,
+                     timestamp_ms)
+            for v, k, mid, own in zip(values, ks, ids, rows, strict=True)], timeout)
 
     @abc.abstractmethod
     def partitions(self, topic: str) -> set[int] | None:

@@ -384,21 +384,15 @@ class KafkaDriver(Driver):
         base.append((wire.PUBLISHED_AT, repr(columns.published_at).encode()))
         if name.startswith(HASHED):
             base.append((wire.TOPIC, columns.topic.encode()))
-        ID = wire.ID
-        if columns.row_headers is None:
-            headers = [[*base, (ID, mid.encode())] for mid in columns.ids]
-        else:
-            headers = [
-                [*base, *((k, v.encode()) for k, v in own.items()), (ID, mid.encode())]
-                if own else [*base, (ID, mid.encode())]
-                for mid, own in zip(columns.ids, columns.row_headers, strict=True)
-            ]
+        rows = None if columns.row_headers is None else [
+            [(k, v.encode()) for k, v in own.items()] if own else None
+            for own in columns.row_headers]
         keys = None if columns.keys is None else [
             k.encode() if k is not None else None for k in columns.keys]
         timeout = self.opts["request_timeout_ms"] / 1000 * 2
         try:
-            results = self.producer.send_rows(name, columns.bodies, keys, headers,
-                                              int(columns.published_at * 1000), timeout)
+            results = self.producer.send_rows(name, columns.bodies, keys, columns.ids, base,
+                                              rows, int(columns.published_at * 1000), timeout)
         except Exception as exc:  # the producer could not be made: nothing was sent
             raise native(exc, "publish failed", self.url) from exc
         self._confirmed(results, columns.ids)
