@@ -129,8 +129,8 @@ def test_column_publish(mq_ctx: Ctx) -> None:
     got_ids = mq_ctx.broker.publish_columns(topic, [f"r{i}".encode() for i in range(n)],
                                             ids=ids, keys=keys, headers={"src": "cols"})
     assert got_ids == ids
-    texts = mq_ctx.broker.publish_columns(topic, ["é", "x"],
-                                          headers=[{"row": "0"}, None])
+    texts = mq_ctx.broker.publish_columns(topic, ["é", "x"], headers={"all": "1"},
+                                          row_headers=[{"row": "0"}, None])
     docs = mq_ctx.broker.publish_columns(topic, [{"a": 1}, b"raw"])
     assert len(set(texts + docs)) == 4
     got = {m.id: m for m in mq_ctx.drain(sub, n + 4)}
@@ -142,6 +142,7 @@ def test_column_publish(mq_ctx: Ctx) -> None:
             assert m.key == keys[i]
     assert got[texts[0]].value == "é" and got[texts[0]].headers["row"] == "0"
     assert got[texts[1]].value == "x" and "row" not in got[texts[1]].headers
+    assert got[texts[0]].headers["all"] == got[texts[1]].headers["all"] == "1"
     assert got[docs[0]].value == {"a": 1} and got[docs[1]].value == b"raw"
     assert mq_ctx.broker.publish_columns(topic, []) == []
 
@@ -150,8 +151,9 @@ BAD_COLUMNS = {
     "bad id": (dict(ids=["a", "b c", "d"]), mqabstract.InvalidArgument, 1),
     "key too long": (dict(keys=[None, None, "k" * 300]), mqabstract.InvalidArgument, 2),
     "control char key": (dict(keys=["a\x00", None, None]), mqabstract.InvalidArgument, 0),
-    "bad header name": (dict(headers=[None, {"mq-id": "x"}, None]), mqabstract.ValidationError,
-                        1),
+    "bad header name": (dict(row_headers=[None, {"mq-id": "x"}, None]),
+                        mqabstract.ValidationError, 1),
+    "shared header": (dict(headers={"a b": "x"}), mqabstract.ValidationError, None),
     "unencodable body": (dict(bodies=[b"a", b"b", object()]), mqabstract.EncodeError, 2),
     "ids count": (dict(ids=["a"]), mqabstract.InvalidArgument, None),
 }

@@ -843,17 +843,18 @@ class Broker:
         *,
         ids: Sequence[str] | None = None,
         keys: Sequence[str | None] | None = None,
-        headers: Mapping[str, str] | Sequence[Mapping[str, str] | None] | None = None,
+        headers: Mapping[str, str] | None = None,
+        row_headers: Sequence[Mapping[str, str] | None] | None = None,
     ) -> list[str]:
         """Publish many messages to one topic from columns; return their ids in order.
 
         The fast form of ``publish_batch`` for data pipelines: each column is checked and
         encoded as a whole and the driver gets the rows in its tightest native loop.
         ``bodies``: all bytes, all str, or values the codec encodes one by one. ``ids``,
-        ``keys`` (None per row allowed): one per body. ``headers``: one mapping for every
-        row, or one mapping (or None) per row. No delay or priority here (use
-        ``publish_batch``). Errors as in ``publish_batch``: a bad row rejects the whole
-        batch with its ``index`` before anything is sent.
+        ``keys`` (None per row allowed): one per body. ``headers``: for every row;
+        ``row_headers``: one mapping (or None) per row, added to ``headers``. No delay or
+        priority here (use ``publish_batch``). Errors as in ``publish_batch``: a bad row
+        rejects the whole batch with its ``index`` before anything is sent.
         """
         self._check_open()
         names.check_topic(topic)
@@ -861,28 +862,29 @@ class Broker:
             raise InvalidArgument("bodies must be a sequence (a list of bytes or str)")
         n = len(bodies)
         data, content_type, per_row_type = self._encode_column(bodies)
-        shared: Mapping[str, str] = {}
-        row_headers: list[Mapping[str, str] | None] | None = None
-        if headers is None or isinstance(headers, Mapping):
-            shared = self._headers(headers, content_type)
-        else:
-            rows = self._column(headers, n, "headers")
-            shared = {codec.CONTENT_TYPE: content_type} if content_type is not None else {}
-            row_headers = []
-            for i, h in enumerate(rows):
+        shared = self._headers(headers, content_type)
+        rows: list[Mapping[str, str] | None] | None = None
+        if row_headers is not None:
+            rows = []
+            for i, h in enumerate(self._column(row_headers, n, "row_headers")):
                 try:
-                    row_headers.append(self._headers(h, content_type) or None if h else None)
+                    if h:  # checked with the shared ones: counts and sizes are per message
+                        self._headers({**shared, **h} if content_type is None else
+                                      {**{k: v for k, v in shared.items()
+                                          if k != codec.CONTENT_TYPE}, **h}, content_type)
+                    rows.append(dict(h) if h else None)
                 except ValidationError as exc:
                     raise type(exc)(str(exc), index=i) from exc
         if per_row_type is not None:  # mixed bodies: each row's own content-type
-            row_headers = row_headers or [None] * n
+            rows = rows or [None] * n
             for i, ct in enumerate(per_row_type):
                 if ct is not None:
-                    mine = row_headers[i]
-                    if mine and codec.CONTENT_TYPE in mine:
+                    mine = rows[i] or {}
+                    if codec.CONTENT_TYPE in mine or codec.CONTENT_TYPE in shared:
                         raise InvalidArgument("content-type is set by the codec for str and "
-                                              "JSON bodies", index=i)
-                    row_headers[i] = {**(mine or {}), codec.CONTENT_TYPE: ct}
+                                              "JSON bodies; set it only on bytes bodies",
+                                              index=i)
+                    rows[i] = {**mine, codec.CONTENT_TYPE: ct}
         key_col: list[str | None] | None = None
         if keys is not None:
             key_col = self._column(keys, n, "keys")
@@ -892,7 +894,7 @@ class Broker:
         else:
             id_col = self._column(ids, n, "ids")
             _check_id_column(id_col)
-        cols = Columns(topic, data, id_col, key_col, shared, row_headers, self._now())
+        cols = Columns(topic, data, id_col, key_col, shared, rows, self._now())
         return self._send_chunks(
             id_col, lambda a, b: self._driver.publish_columns(
                 cols if (a, b) == (0, n) else cols.rows(a, b)))
