@@ -64,14 +64,15 @@ def broker_url(kind: str, workdir: str) -> str | None:
     if kind == "sqlite":
         return f"sqlite:///{workdir}/bench.db"
     explicit = os.environ.get(brokerctl.ENV_URL_VARS[kind], "").strip()
-    if explicit:
-        return explicit
     port = brokerctl.default_port(kind)
-    if brokerctl.ready(kind, port):
-        if kind == "sqs":  # the local moto server takes any credentials; AWS would not
-            os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
-            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-        return str(brokerctl.broker_url(kind, port))
+    url = explicit or (str(brokerctl.broker_url(kind, port))
+                       if brokerctl.ready(kind, port) else "")
+    if kind == "sqs" and "endpoint_url=http://127.0.0.1" in url:
+        # the local moto server takes any credentials; AWS would not
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    if url:
+        return url
     print(f"{kind:<9} skipped: no broker (scripts/brokers up {kind})")
     return None
 
