@@ -80,6 +80,56 @@ class _IdSource:
 _ids_source = _IdSource()
 
 
+_FIELDS = frozenset(("topic", "body", "headers", "key", "priority", "delay", "deliver_at", "id"))
+
+
+def _as_columns(items: list[Any]) -> tuple[str, list[Any], list[str] | None,
+                                           list[Any] | None, list[Any] | None] | None:
+    """A ``publish_batch`` list as columns (topic, bodies, ids, keys, row headers) when
+    every item goes to one topic without delay or priority; None otherwise (then the
+    envelope path validates, and reports, item by item)."""
+    topic: object = None
+    bodies: list[Any] = []
+    ids: list[Any] = []
+    keys: list[Any] = []
+    rows: list[Any] = []
+    t: Any
+    for item in items:
+        if type(item) is OutgoingMessage:
+            if item.priority is not None or item.delay is not None or item.deliver_at:
+                return None
+            t, body, hdrs, key, mid = item.topic, item.body, item.headers, item.key, item.id
+        elif type(item) is tuple and len(item) == 2:
+            t, body = item
+            hdrs = key = mid = None
+        elif isinstance(item, Mapping):
+            if not item.keys() <= _FIELDS or "body" not in item or any(
+                    item.get(f) is not None for f in ("priority", "delay", "deliver_at")):
+                return None
+            t, body = item.get("topic"), item["body"]
+            hdrs, key, mid = item.get("headers"), item.get("key"), item.get("id")
+        else:
+            return None
+        if topic is None:
+            topic = t
+        elif t != topic:
+            return None
+        bodies.append(body)
+        ids.append(mid)
+        keys.append(key)
+        rows.append(hdrs)
+    if not isinstance(topic, str):
+        return None
+    if any(m is not None for m in ids):
+        fresh = iter(_ids_source.take(sum(m is None for m in ids)))
+        ids = [next(fresh) if m is None else m for m in ids]
+        id_col: list[str] | None = ids
+    else:
+        id_col = None
+    return (topic, bodies, id_col, keys if any(k is not None for k in keys) else None,
+            rows if any(rows) else None)
+
+
 def _check_id_column(ids: list[str]) -> None:
     """``names.check_id`` for a column: checked in C on the joined text, row by row only
     to name the bad one."""
@@ -769,12 +819,18 @@ class Broker:
 
         Every message is validated first: one bad message rejects the whole batch with its
         index (``error.index``) and nothing is sent. If the broker then fails part way,
-        ``PublishError`` lists what was confirmed and what was not.
+        ``PublishError`` lists what was confirmed and what was not. A batch for one topic
+        without delays or priorities takes the column path (``publish_columns``).
         """
         self._check_open()
+        items = messages if isinstance(messages, list) else list(messages)
+        columns = _as_columns(items)
+        if columns is not None:
+            topic, bodies, ids, keys, rows = columns
+            return self.publish_columns(topic, bodies, ids=ids, keys=keys, row_headers=rows)
         now = self._now()
         envelopes: list[Envelope] = []
-        for index, item in enumerate(messages):
+        for index, item in enumerate(items):
             try:
                 if isinstance(item, OutgoingMessage):
                     m = item

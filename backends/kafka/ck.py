@@ -213,19 +213,23 @@ class _Producer(Producer):
         produce: Any = lane.p.produce
         try:
             for i, r in enumerate(records):
-                args = (r.topic, r.value, r.key) if r.partition is None else (
-                    r.topic, r.value, r.key, r.partition)
-                kwargs: dict[str, Any] = {"headers": r.headers,
-                                          "timestamp": r.timestamp_ms or 0}
                 try:
-                    produce(*args, **kwargs)
+                    if r.partition is None:
+                        produce(r.topic, r.value, r.key, headers=r.headers,
+                                timestamp=r.timestamp_ms or 0)
+                    else:
+                        produce(r.topic, r.value, r.key, r.partition, headers=r.headers,
+                                timestamp=r.timestamp_ms or 0)
                 except Exception as exc:
-                    errors[i] = _again(lane, exc, deadline, partial(produce, *args, **kwargs))
+                    args = (r.topic, r.value, r.key) if r.partition is None else (
+                        r.topic, r.value, r.key, r.partition)
+                    errors[i] = _again(lane, exc, deadline, partial(
+                        produce, *args, headers=r.headers, timestamp=r.timestamp_ms or 0))
         except BaseException:
             self._give(lane, False)  # (records of this send may still report to it)
             raise
-        return self._finish(lane, errors, [_id_of(r.headers) for r in records], deadline,
-                            timeout)
+        return self._finish(lane, errors, lambda: [_id_of(r.headers) for r in records],
+                            deadline, timeout)
 
     def send_rows(self, topic: str, values: Sequence[bytes], keys: Sequence[bytes | None] | None,
                   ids: Sequence[str], headers: list[tuple[str, bytes]],
@@ -252,10 +256,11 @@ class _Producer(Producer):
         except BaseException:
             self._give(lane, False)
             raise
-        return self._finish(lane, errors, ids, deadline, timeout)
+        return self._finish(lane, errors, lambda: ids, deadline, timeout)
 
-    def _finish(self, lane: _Lane, errors: list[ClientError | None], ids: Sequence[Any],
-                deadline: float, timeout: float) -> list[ClientError | None]:
+    def _finish(self, lane: _Lane, errors: list[ClientError | None],
+                ids: Callable[[], Sequence[Any]], deadline: float, timeout: float
+                ) -> list[ClientError | None]:
         """Wait for the lane's records; place the failures librdkafka reported (by their
         ``mq-id`` header) and time out the rest when not all were acknowledged."""
         clean = False
@@ -268,7 +273,7 @@ class _Producer(Producer):
         if failures:
             n = len(errors)
             rows = {(m if isinstance(m, bytes) else str(m).encode()): i
-                    for i, m in enumerate(ids)} if n > 1 else {}
+                    for i, m in enumerate(ids())} if n > 1 else {}
             for err, msg in failures:
                 mid = dict(msg.headers() or ()).get(wire.ID) if n > 1 else None
                 errors[rows.get(mid, 0) if mid is not None else 0] = _error(err)
