@@ -8,9 +8,10 @@ mqabstract topic in a header.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import zlib
+
+from mqabstract.emulation import fit_name
 
 from .client import TP
 
@@ -36,20 +37,21 @@ def unescape(name: str) -> str:
     return _UNESCAPE.sub(lambda m: {"-": "-", "u": "_"}.get(m[1], m[0]), name)
 
 
+def _fit(name: str, hashed_prefix: str) -> str:
+    """``name``, or ``hashed_prefix`` + a digest of it when Kafka's limit is exceeded (the
+    toolkit's ``fit_name``; the prefix marks hashed names for the topic regex)."""
+    fitted = fit_name(name, MAX_TOPIC, keep_head=False, digest_chars=48)
+    return name if fitted == name else hashed_prefix + fitted
+
+
 def kafka_topic_name(topic: str, prefix: str = "") -> str:
     """The Kafka topic for an mqabstract topic (hashed when longer than Kafka allows)."""
-    name = prefix + _escape(topic)
-    if len(name) <= MAX_TOPIC:
-        return name
-    return HASHED + hashlib.sha256((prefix + "\0" + topic).encode()).hexdigest()[:48]
+    return _fit(prefix + _escape(topic), HASHED)
 
 
 def internal(kind: str, group: str) -> str:
     """A group's internal topic: ``r`` retry, ``d`` dead letters."""
-    name = f"{INTERNAL}{kind}..{_escape(group)}"
-    if len(name) <= MAX_TOPIC:
-        return name
-    return f"{INTERNAL}{kind}..h-{hashlib.sha256(group.encode()).hexdigest()[:48]}"
+    return _fit(f"{INTERNAL}{kind}..{_escape(group)}", f"{INTERNAL}{kind}..h-")
 
 
 def declared_key(group: str) -> str:
