@@ -1206,7 +1206,7 @@ def kafka_libs() -> Path:
         return Path(override)
     version = kafka_version()
     return maven_jars("kafka", KAFKA_POM, cache_root() / f"kafka-{version}" / "libs",
-                      f"kafka_2.13-{version}.jar",
+                      f"kafka_2.13-{version}.jar", f"org.apache.kafka:kafka_2.13:{version}",
                       "check that Maven Central is reachable (mvn's settings, proxy), or set "
                       "MQ_TEST_KAFKA_URL to a running Kafka")
 
@@ -1222,6 +1222,7 @@ def spark_kafka_jars() -> list[Path]:
     libs = maven_jars("spark-kafka", SPARK_KAFKA_POM,
                       cache_root() / f"spark-kafka-{version}" / "libs",
                       f"spark-sql-kafka-0-10_2.13-{version}.jar",
+                      f"org.apache.spark:spark-sql-kafka-0-10_2.13:{version}",
                       "check that Maven Central is reachable (mvn's settings, proxy)",
                       scope="runtime")
     wanted = ("spark-sql-kafka-0-10", "spark-token-provider-kafka-0-10", "kafka-clients",
@@ -1229,7 +1230,7 @@ def spark_kafka_jars() -> list[Path]:
     return sorted(p for p in libs.glob("*.jar") if p.name.startswith(wanted))
 
 
-def maven_jars(kind: str, pom: Path, libs: Path, marker: str, todo: str,
+def maven_jars(kind: str, pom: Path, libs: Path, marker: str, artifact: str, todo: str,
                scope: str | None = None) -> Path:
     """``libs``, filled once by ``mvn dependency:copy-dependencies`` on ``pom`` (only
     ``scope``'s when given): under a temporary name, renamed when ``marker`` arrived, so an
@@ -1245,7 +1246,7 @@ def maven_jars(kind: str, pom: Path, libs: Path, marker: str, todo: str,
     argv = ["mvn", "-B", "-q", *extra, "-f", str(pom), "dependency:copy-dependencies",
             *([f"-DincludeScope={scope}"] if scope else []), f"-DoutputDirectory={partial}"]
     try:
-        _run_step(kind, f"maven download of {marker}", argv, todo, cwd=cache_root())
+        _run_step(kind, f"maven download of {artifact}", argv, todo, cwd=cache_root())
     finally:
         if not (partial / marker).is_file():
             shutil.rmtree(partial, ignore_errors=True)
