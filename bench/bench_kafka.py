@@ -343,7 +343,6 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
     except Exception as exc:
         broker, connect_error = None, reason(exc)
     group, pattern = f"bench-{tag}", f"bench.{tag}.#"
-    published = False
 
     def mq(op: str, call: Callable[[mqabstract.Broker], float]) -> None:
         if broker is None:
@@ -356,23 +355,17 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
         if broker is not None:
             with contextlib.suppress(Exception):
                 broker.declare(group, pattern)
-        if "publish" in ops:
-            raw_topic = f"bench-raw-{tag}-p"
+        for op, publish, suffix in (("publish", mq_publish, "t"), ("columns", mq_columns, "c")):
+            if op not in ops:
+                continue
+            raw_topic = f"bench-raw-{tag}-{suffix}"
             create_topics(admin, [raw_topic])
-            res.run(("publish", client, "raw"), lambda r=raw, t=raw_topic:
+            res.run((op, client, "raw"), lambda r=raw, t=raw_topic:
                     max(r.produce(t, raw_keys, body),
                         r.produce(t, raw_keys, body, args.batch)))
-            mq("publish", lambda b: mq_publish(b, f"bench.{tag}.t", keys, body,
-                                               args.batch))
-            published = ("publish", client, "mq") in res.best
-        if "columns" in ops:
-            raw_topic = f"bench-raw-{tag}-p2"
-            create_topics(admin, [raw_topic])
-            res.run(("columns", client, "raw"), lambda r=raw, t=raw_topic:
-                    max(r.produce(t, raw_keys, body),
-                        r.produce(t, raw_keys, body, args.batch)))
-            mq("columns", lambda b: mq_columns(b, f"bench.{tag}.c", keys, body,
-                                               args.batch))
+            mq(op, lambda b, f=publish, s=suffix: f(b, f"bench.{tag}.{s}", keys, body,
+                                                    args.batch))
+        published = ("publish", client, "mq") in res.best
         if "single" in ops:
             raw_topic = f"bench-raw-{tag}-s"
             create_topics(admin, [raw_topic])

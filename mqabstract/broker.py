@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from . import codec, names
 from .capabilities import Capabilities, Feature
@@ -130,39 +130,24 @@ def _as_columns(items: list[Any]) -> tuple[str, list[Any], list[str] | None,
             rows if any(rows) else None)
 
 
-def _check_id_column(ids: list[str]) -> None:
-    """``names.check_id`` for a column: checked in C on the joined text, row by row only
-    to name the bad one."""
-    try:
-        joined = "".join(ids)
-        ok = (joined.isascii() and joined.isprintable() and " " not in joined
-              and min(map(len, ids)) > 0 and max(map(len, ids)) <= names.MAX_ID_LEN)
-    except TypeError:
-        ok = False
-    if not ok:
-        for i, mid in enumerate(ids):
-            try:
-                names.check_id(mid)
-            except ValidationError as exc:
-                raise type(exc)(str(exc), index=i) from exc
-
-
-def _check_text_column(values: list[str | None], what: str, max_len: int,
-                       allow_none: bool = False) -> None:
-    """``names.check_text_value`` for a column (None rows allowed with ``allow_none``)."""
-    present = cast(list[str], [v for v in values if v is not None] if allow_none else values)
+def _check_column(values: list[Any], check: Callable[[Any], object], max_len: int, *,
+                  spaces: bool, nullable: bool) -> None:
+    """``check`` (a ``names`` checker) for a column of str (None rows pass when
+    ``nullable``): tested in C on the joined text, row by row only to find and name the bad
+    row (``error.index``)."""
+    present = [v for v in values if v is not None] if nullable else values
     try:
         joined = "".join(present)
-        ok = (joined.isascii() and joined.isprintable() and (
-            not present or (min(map(len, present)) > 0 and max(map(len, present)) <= max_len)))
-    except TypeError:
+        ok = (joined.isascii() and joined.isprintable() and (spaces or " " not in joined)
+              and (not present or (min(map(len, present)) > 0
+                                   and max(map(len, present)) <= max_len)))
+    except TypeError:  # a row that is not a str
         ok = False
     if not ok:
         for i, v in enumerate(values):
-            if v is None and allow_none:
-                continue
             try:
-                names.check_text_value(v, what, max_len)
+                if v is not None or not nullable:
+                    check(v)
             except ValidationError as exc:
                 raise type(exc)(str(exc), index=i) from exc
 
@@ -861,12 +846,6 @@ class Broker:
             return []
         step = self._caps.max_batch
         total = len(ids)
-        if total <= step:  # the common case: one chunk
-            try:
-                send(0, total)
-            except Exception as exc:
-                raise self._translate(exc) from exc
-            return ids
         confirmed: list[str] = []
         for start in range(0, total, step):
             stop = min(start + step, total)
@@ -925,9 +904,7 @@ class Broker:
             for i, h in enumerate(self._column(row_headers, n, "row_headers")):
                 try:
                     if h:  # checked with the shared ones: counts and sizes are per message
-                        self._headers({**shared, **h} if content_type is None else
-                                      {**{k: v for k, v in shared.items()
-                                          if k != codec.CONTENT_TYPE}, **h}, content_type)
+                        self._headers({**(headers or {}), **h}, content_type)
                     rows.append(dict(h) if h else None)
                 except ValidationError as exc:
                     raise type(exc)(str(exc), index=i) from exc
@@ -944,12 +921,14 @@ class Broker:
         key_col: list[str | None] | None = None
         if keys is not None:
             key_col = self._column(keys, n, "keys")
-            _check_text_column(key_col, "key", names.MAX_KEY_LEN, allow_none=True)
+            _check_column(key_col, names.check_key, names.MAX_KEY_LEN, spaces=True,
+                          nullable=True)
         if ids is None:
             id_col = _ids_source.take(n)
         else:
             id_col = self._column(ids, n, "ids")
-            _check_id_column(id_col)
+            _check_column(id_col, names.check_id, names.MAX_ID_LEN, spaces=False,
+                          nullable=False)
         cols = Columns(topic, data, id_col, key_col, shared, rows, self._now())
         return self._send_chunks(
             id_col, lambda a, b: self._driver.publish_columns(

@@ -177,24 +177,19 @@ class _Producer(Producer):
         self.lock = threading.Lock()
         self.idle: list[_Lane] = []
         self.parts: dict[str, tuple[set[int], float]] = {}
-        self.p = self._open().p  # metadata; also the first idle lane
+        first = _Lane(cfg)
+        self.idle.append(first)
+        self.p = first.p  # for metadata
         try:  # librdkafka connects lazily: a bad address fails here, at open
             self.p.list_topics(timeout=s.connect_timeout)
         except Exception as exc:
             raise classify(exc) from exc
 
-    def _open(self) -> _Lane:
-        lane = _Lane(self.cfg)
-        with self.lock:
-            self.idle.append(lane)
-        return lane
-
     def _take(self) -> _Lane:
         with self.lock:
             if self.idle:
                 return self.idle.pop()
-        lane = _Lane(self.cfg)
-        return lane
+        return _Lane(self.cfg)
 
     def _give(self, lane: _Lane, clean: bool) -> None:
         """Back to the idle lanes when nothing of this send is left in it (else closed:
@@ -665,7 +660,6 @@ class _Member(_Reader, Member):
     def __init__(self, s: Settings, group: str, topic: str, revoked: Listener,
                  assigned: Listener) -> None:
         self.rebalancing = True  # until the first assignment
-        self.positioned = False  # the assignment has its start offsets (``start``)
         self.busy_until = 0.0
         self.gate = threading.Condition()
         self.waiting = 0  # threads waiting to commit
@@ -711,8 +705,6 @@ class _Member(_Reader, Member):
             msgs = self.c.consume(max_records, 0)
         except Exception as exc:
             raise classify(exc) from exc
-        if msgs and not self.positioned:
-            msgs = []  # (nothing is assigned before ``start``; kept as a guard)
         if not msgs:
             slice_ = 0.005 if time.monotonic() < self.busy_until else 0.05
             with self.gate:
@@ -727,7 +719,6 @@ class _Member(_Reader, Member):
         # after start()'s assign, made librdkafka query the end again and fetch from there,
         # skipping the records start() asked for (a retry copy written in between was
         # never delivered: seen in the differential test, with librdkafka's debug log).
-        self.positioned = False
         consumer.assign([])
         self.assigned = set(tps)
         self.rebalancing = False
@@ -735,7 +726,6 @@ class _Member(_Reader, Member):
 
     def _revoke(self, consumer: Any, partitions: list[Any]) -> None:
         self.rebalancing = True
-        self.positioned = False
         self.on_revoked([TP(p.topic, p.partition) for p in partitions])
         consumer.unassign()
         self.assigned = set()
@@ -749,7 +739,6 @@ class _Member(_Reader, Member):
         except Exception as exc:
             raise classify(exc) from exc
         self.assigned = set(positions)
-        self.positioned = True
 
     def seek(self, positions: Mapping[TP, int | None]) -> None:
         self.start(positions)
