@@ -52,6 +52,26 @@ def test_double_ack_is_noop_and_conflicting_settle_raises(mq_ctx: Ctx) -> None:
     mq_ctx.expect_none(sub)
 
 
+def test_ack_many(mq_ctx: Ctx) -> None:
+    """One call acks many; an invalid member of the batch stops it before any ack."""
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=mq_ctx.lease)
+    ids = mq_ctx.broker.publish_batch([(mq_ctx.topic("a"), f"m{i}".encode())
+                                       for i in range(6)])
+    msgs = mq_ctx.drain(sub, 6, ack=False)
+    assert sorted(m.id for m in msgs) == sorted(ids)
+    msgs[5].nack()
+    with pytest.raises(mqabstract.AlreadySettled):
+        sub.ack_many(msgs)
+    assert not any(m.settled for m in msgs[:5])
+    sub.ack_many(msgs[:3])
+    sub.ack_many(msgs[:5])  # the first three again: no-ops
+    assert all(m.settled for m in msgs)
+    [again] = mq_ctx.drain(sub, 1, ack=False)  # only the nacked one comes back
+    assert (again.id, again.attempt) == (msgs[5].id, 2)
+    sub.ack_many(iter([again]))
+    mq_ctx.expect_none(sub, mq_ctx.lease + mq_ctx.quiet)
+
+
 def test_lease_expiry_redelivers(mq_ctx: Ctx) -> None:
     sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=mq_ctx.lease)
     mid = mq_ctx.broker.publish(mq_ctx.topic("a"), b"x")

@@ -161,6 +161,14 @@ def _translate(exc: Exception, backend: str) -> MQError:
     return err
 
 
+def _ran_out(late: Sequence[Message]) -> LeaseExpired:
+    first = late[0]
+    what = (f"message {first.id} (attempt {first.attempt})" if len(late) == 1
+            else f"{len(late)} messages (first: {first.id}, attempt {first.attempt})")
+    return LeaseExpired(f"{what}: the lease ran out before this settle; delivered again with "
+                        "the next attempt")
+
+
 class _Guard:
     """Context manager translating stray driver exceptions into ``MQError`` (one place).
 
@@ -292,10 +300,7 @@ class Message:
         if self._state == "expired" or self._sub._broker._monotonic() >= self._deadline:
             self._state = "expired"
             self._sub._forget(self)
-            raise LeaseExpired(
-                f"message {self.id} (attempt {self.attempt}): its lease ran out before this "
-                "settle; it will be delivered again with the next attempt"
-            )
+            raise _ran_out((self,))
 
     def _begin(self, op: str) -> bool:
         """Mark the message settled by ``op``; False if it already was by the same op."""
@@ -319,8 +324,7 @@ class Message:
 
     def ack(self) -> None:
         """Done: remove the message for this group. A second ack is a no-op."""
-        if self._begin("acked"):
-            self._driver_settle(self._sub._settle_ack)
+        self._sub.ack_many((self,))
 
     def nack(self, delay: float = 0.0) -> None:
         """Give the message back for redelivery after ``delay`` seconds.
@@ -442,10 +446,60 @@ class Subscription:
         with self._lock:
             self._unsettled.discard(msg)
 
-    def _settle_ack(self, msg: Message) -> None:
-        self._forget(msg)
-        with self._broker._guard:
-            self._inner.ack((msg._receipt,))
+    def ack_many(self, messages: Iterable[Message]) -> None:
+        """Ack messages of this subscription with one driver call: what ``Message.ack`` does
+        for each, at a fraction of the cost per message.
+
+        All are checked first: one from another subscription (``InvalidArgument``) or one
+        already nacked or dead-lettered (``AlreadySettled``) raises before any is acked.
+        Already acked ones are skipped. Those whose lease ran out (or that the backend
+        reports as lost with their connection or partition) are not acked — they come
+        again — and ``LeaseExpired`` says so after the others are.
+        """
+        self._check_open()
+        batch = messages if isinstance(messages, (list, tuple)) else list(messages)
+        for msg in batch:
+            if not isinstance(msg, Message) or msg._sub is not self:
+                raise InvalidArgument("ack_many takes messages received from this subscription")
+            state = msg._state
+            if state is not None and state != "acked" and state != "expired":
+                raise AlreadySettled(f"message {msg.id} was already {state}")
+        now = self._broker._monotonic()
+        todo: list[Message] = []
+        late: list[Message] = []
+        for msg in batch:
+            if msg._state is None and now < msg._deadline:
+                msg._state = "acked"
+                todo.append(msg)
+            elif msg._state != "acked":
+                msg._state = "expired"
+                late.append(msg)
+        with self._lock:
+            discard = self._unsettled.discard
+            for msg in todo:
+                discard(msg)
+            for msg in late:
+                discard(msg)
+        if todo:
+            try:
+                with self._broker._guard:
+                    self._inner.ack([msg._receipt for msg in todo])
+            except LeaseExpired as exc:
+                stale = set(exc.receipts)
+                for msg in todo:
+                    if not stale or msg._receipt in stale:
+                        msg._state = "expired"
+                raise
+            except BaseException:
+                # Not acked (as far as anyone knows): unsettled again, the caller may retry
+                # or let the lease run out.
+                with self._lock:
+                    for msg in todo:
+                        msg._state = None
+                        self._unsettled.add(msg)
+                raise
+        if late:
+            raise _ran_out(late)
 
     def _check_nack(self, delay: object) -> None:
         self._check_open()

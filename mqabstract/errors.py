@@ -76,7 +76,14 @@ class LeaseExpired(MQError):
 
     It never reached the broker: the message will be delivered again with attempt + 1, to
     this or another consumer. Not retryable (the lease is gone); not a handler failure.
+    ``receipts``: set by a driver when only some receipts of a batch settle were stale
+    (empty: all of them, or not known).
     """
+
+    def __init__(self, message: str, *, index: int | None = None,
+                 receipts: tuple[object, ...] = ()) -> None:
+        super().__init__(message, index=index)
+        self.receipts = receipts
 
 
 class MissingDependency(MQError):

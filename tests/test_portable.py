@@ -101,6 +101,86 @@ def test_driver_reported_lost_lease_leaves_the_message_unsettled(
         m.ack()
 
 
+def test_ack_many_acks_the_live_and_reports_the_expired(
+        mq: mqabstract.Broker, clock: FakeClock) -> None:
+    """Messages whose lease ran out are not acked (they come again); the rest are."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish("a.b", b"old")
+    [old] = sub.receive(1, 0)
+    clock.advance(20)
+    for i in range(3):
+        mq.publish("a.b", f"new{i}".encode())
+    new = sub.receive(3, 0)
+    clock.advance(15)  # old's lease is over, the new ones have 15 s left
+    with pytest.raises(mqabstract.LeaseExpired, match=old.id):
+        sub.ack_many([*new, old])
+    assert all(m.settled for m in new) and not old.settled
+    sub.ack_many(new)  # acked already: nothing to do
+    clock.advance(31)
+    [again] = sub.receive(5, 0)
+    assert (again.id, again.attempt) == (old.id, 2)
+    sub.ack_many([again])
+    clock.advance(60)
+    assert sub.receive(5, 0) == []
+
+
+def test_ack_many_checks_every_message_before_acking_any(mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "a.#", lease=30)
+    other = mq.subscribe("h", "a.#", lease=30)
+    mq.publish_batch([("a.b", b"1"), ("a.b", b"2"), ("a.b", b"3")])
+    msgs = sub.receive(3, 0)
+    [foreign] = other.receive(1, 0)
+    msgs[2].nack()
+    with pytest.raises(mqabstract.AlreadySettled):
+        sub.ack_many(msgs)
+    with pytest.raises(mqabstract.InvalidArgument):
+        sub.ack_many([msgs[0], foreign])
+    assert not msgs[0].settled and not msgs[1].settled
+    sub.ack_many(msgs[:2])
+    assert msgs[0].settled and msgs[1].settled
+
+
+def test_ack_many_marks_only_the_receipts_the_driver_lost(mq: mqabstract.Broker) -> None:
+    """A driver reporting some receipts of a batch as lost (``LeaseExpired.receipts``):
+    those messages are expired, the others acked."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish_batch([("a.b", b"1"), ("a.b", b"2")])
+    kept, lost = sub.receive(2, 0)
+    inner = sub._inner  # type: ignore[attr-defined]
+    ack = inner.ack
+
+    def partly(receipts: list[object]) -> None:
+        ack([r for r in receipts if r != lost._receipt])  # type: ignore[attr-defined]
+        raise mqabstract.LeaseExpired("channel lost", receipts=(lost._receipt,))  # type: ignore[attr-defined]
+
+    inner.ack = partly
+    with pytest.raises(mqabstract.LeaseExpired):
+        sub.ack_many([kept, lost])
+    assert kept.settled and not lost.settled
+    with pytest.raises(mqabstract.LeaseExpired):
+        lost.ack()
+
+
+def test_failed_ack_leaves_the_message_unsettled(mq: mqabstract.Broker) -> None:
+    """An ack the driver failed (not a lost lease) can be tried again."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish("a.b", b"x")
+    [m] = sub.receive(1, 0)
+    inner = sub._inner  # type: ignore[attr-defined]
+    ack = inner.ack
+
+    def down(receipts: list[object]) -> None:
+        raise mqabstract.ConnectionFailed("broker away")
+
+    inner.ack = down
+    with pytest.raises(mqabstract.ConnectionFailed):
+        m.ack()
+    assert not m.settled
+    inner.ack = ack
+    m.ack()
+    assert m.settled
+
+
 @pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
 def test_lease_rule_on_fake_clock(mq: mqabstract.Broker, clock: FakeClock, op: str) -> None:
     """At the deadline a settle raises LeaseExpired, even before anyone else received the

@@ -708,29 +708,30 @@ class KafkaSubscription(DriverSubscription):
         return sorted(set(parts) - mine)
 
     def _ingest(self, batches: Mapping[TP, list[Fetched]]) -> None:
+        # Decoded before taking the lock: receive, ack and commits wait on it.
+        decoded = [(tp, [(r.offset, self._decode(tp, r, tp.topic == self.retry))
+                         for r in records]) for tp, records in batches.items()]
         now = time.time()
         mono = time.monotonic()
         added = False
         with self.cv:
-            for tp, records in batches.items():
+            for tp, recs in decoded:
                 part = self.parts.get(tp)
                 if part is None:
                     continue  # not (or no longer) ours: its owner reads it
-                retry = tp.topic == self.retry
                 inherited = part.inherited
-                for r in records:
-                    part.fetched(r.offset)
-                    if r.offset < inherited and r.offset in part.done:
+                for offset, rec in recs:
+                    part.fetched(offset)
+                    if offset < inherited and offset in part.done:
                         continue  # settled by an earlier owner (its checkpoint says so)
-                    rec = self._decode(tp, r, retry)
                     if rec is None:
-                        part.done.add(r.offset)
+                        part.done.add(offset)
                         continue
-                    if r.offset < inherited:
+                    if offset < inherited:
                         # Handed to an application by owners that died, froze or lost the
                         # partition before settling it: one attempt more than any of them
                         # gave, and not before the last of their leases ends.
-                        rec.n += part.extra_attempts(r.offset)
+                        rec.n += part.extra_attempts(offset)
                         rec.due = max(rec.due, min(part.hold, now + self.d.capabilities.max_lease))
                     if rec.due > now:
                         heapq.heappush(self.held, (rec.due, next(self.seq), rec))
@@ -905,10 +906,10 @@ class KafkaSubscription(DriverSubscription):
             with self.cv:
                 self.cv.wait(min(0.05, left))
 
-    def _stale(self, token: Any) -> LeaseExpired:
+    def _stale(self, token: Any, *more: Any) -> LeaseExpired:
         return LeaseExpired(f"kafka: receipt {token!r} of group {self.spec.name!r} is stale "
                             "(its partition moved to another consumer, which delivers the "
-                            "message again)")
+                            "message again)", receipts=(token, *more))
 
     def _settle(self, token: Any) -> Rec:
         """Take a leased record to settle it; ``LeaseExpired`` when the receipt is stale:
@@ -940,7 +941,7 @@ class KafkaSubscription(DriverSubscription):
                 if part is not None:
                     part.done.add(rec.offset)
         if stale:
-            raise self._stale(stale[0])
+            raise self._stale(*stale)
 
     def _relapse(self, rec: Rec, token: Any, deadline: float) -> None:
         """A re-publish or dead-letter write of a settled record failed (broker away):

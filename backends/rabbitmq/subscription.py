@@ -640,10 +640,11 @@ class RabbitMQSubscription(DriverSubscription):
             self._link.call(lambda: self._io_copy_then_ack(
                 copies, lambda: self._release_done(count)))
 
-    def _stale(self, receipt: Any) -> LeaseExpired:
+    def _stale(self, receipt: Any, *more: Any) -> LeaseExpired:
         why = self._lost_why or "its channel closed"
         return LeaseExpired(f"rabbitmq: receipt {receipt!r} of group {self.spec.name!r} is "
-                            f"stale ({why}): the broker delivers the message again")
+                            f"stale ({why}): the broker delivers the message again",
+                            receipts=(receipt, *more))
 
     def _take(self, receipt: Any) -> tuple[_Raw, int]:
         """Settle a receipt: its (message, attempt). ``LeaseExpired`` when it is stale: the
@@ -677,7 +678,7 @@ class RabbitMQSubscription(DriverSubscription):
         if schedule:
             self._link.call(self._io_flush_acks)
         if stale:
-            raise self._stale(stale[0])
+            raise self._stale(*stale)
 
     def _settle_by_copy(self, held: tuple[_Raw, int], item: _Item, returned_ok: bool
                         ) -> _Pending:
