@@ -2,15 +2,16 @@
 
     .venv/bin/python bench/bench_kafka.py [--url kafka://127.0.0.1:9092] [--n 50000]
         [--size 100] [--batch 1000] [--rounds 2] [--single 2000]
-        [--only publish|columns|single|consume ...] [--clients confluent,kafka-python]
+        [--only publish|columns|single|consume|many ...] [--clients confluent,kafka-python]
 
 For each client (``confluent``: confluent-kafka / librdkafka; ``kafka-python``) one run
 measures, against the same broker, ``size``-byte keyed records, acks=all, idempotent:
 
 * publish: mqabstract ``Broker.publish_batch`` in chunks of ``batch`` (every chunk waits for
   the broker's acks, as the contract requires) against the raw producer sending ``n``
-  records and waiting for every delivery confirmation — the better of "send all, then
-  flush" and "flush every ``batch``" is the baseline. Raw confluent learns failures the
+  records and waiting for every delivery confirmation, two ways: "send all, then flush"
+  (``raw``) and "flush every ``batch``" (``raw/batch``: what a ``publish_batch`` call of
+  that size must do); a ratio against each. Raw confluent learns failures the
   cheap way: ``delivery.report.only.error`` with one callback that records errors.
 * columns: the same records through ``Broker.publish_columns`` (one topic, bodies and keys as
   columns, chunks of ``batch``), against the same raw baseline.
@@ -22,6 +23,8 @@ measures, against the same broker, ``size``-byte keyed records, acks=all, idempo
   records, then a synchronous commit per poll batch). Timed from the first record to the
   last, so group joins are not counted. Raw members read a topic filled beforehand; the
   mqabstract subscription reads what mqabstract published.
+* many: the same as consume, acking each received batch with one ``Subscription.ack_many``
+  (against the consume baseline).
 
 mqabstract picks the client by the URL query ``client=confluent`` / ``client=kafka-python``;
 where that fails (unknown option, client not implemented) the row says ``n/a`` with the
@@ -49,9 +52,10 @@ from kafka import KafkaConsumer, KafkaProducer
 import mqabstract
 
 CLIENTS = ("confluent", "kafka-python")
-OPS = ("publish", "columns", "single", "consume")
+OPS = ("publish", "columns", "single", "consume", "many")
 OP_NAMES = {"publish": "publish_batch", "columns": "publish_columns", "single": "single publish",
-            "consume": "receive+ack"}
+            "consume": "receive+ack", "many": "receive+ack_many"}
+RAW_OF = {"many": "consume"}  # ops measured against another op's raw baseline
 PARTITIONS = 4  # the driver's default ``partitions``: raw topics get the same
 WAIT = 120.0  # give up on a consume after this long (reported as n/a)
 HARD = WAIT + 60.0  # a call not back by then is left behind on its thread (n/a: hung)
@@ -273,7 +277,8 @@ def mq_single(broker: mqabstract.Broker, topic: str, n: int, body: bytes) -> flo
     return rate(n, time.perf_counter() - start)
 
 
-def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batch: int) -> float:
+def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batch: int,
+               many: bool = False) -> float:
     sub = broker.subscribe(group, pattern, lease=300.0)
     got, start = 0, None
     deadline = time.monotonic() + WAIT
@@ -282,8 +287,11 @@ def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batc
             msgs = sub.receive(batch, 1.0)
             if msgs and start is None:
                 start = time.perf_counter()
-            for m in msgs:
-                m.ack()
+            if many:
+                sub.ack_many(msgs)
+            else:
+                for m in msgs:
+                    m.ack()
             got += sum(1 for m in msgs if m.body != b"warm-up")
         took = time.perf_counter() - (start or time.perf_counter())
     finally:
@@ -343,6 +351,7 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
     except Exception as exc:
         broker, connect_error = None, reason(exc)
     group, pattern = f"bench-{tag}", f"bench.{tag}.#"
+    groups = {"consume": group, "many": f"bench-{tag}-m"}
 
     def mq(op: str, call: Callable[[mqabstract.Broker], float]) -> None:
         if broker is None:
@@ -353,16 +362,17 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
 
     try:
         if broker is not None:
-            with contextlib.suppress(Exception):
-                broker.declare(group, pattern)
+            for name in groups.values():
+                with contextlib.suppress(Exception):
+                    broker.declare(name, pattern)
         for op, publish, suffix in (("publish", mq_publish, "t"), ("columns", mq_columns, "c")):
             if op not in ops:
                 continue
             raw_topic = f"bench-raw-{tag}-{suffix}"
             create_topics(admin, [raw_topic])
-            res.run((op, client, "raw"), lambda r=raw, t=raw_topic:
-                    max(r.produce(t, raw_keys, body),
-                        r.produce(t, raw_keys, body, args.batch)))
+            res.run((op, client, "raw"), lambda r=raw, t=raw_topic: r.produce(t, raw_keys, body))
+            res.run((op, client, "rawc"), lambda r=raw, t=raw_topic:
+                    r.produce(t, raw_keys, body, args.batch))
             mq(op, lambda b, f=publish, s=suffix: f(b, f"bench.{tag}.{s}", keys, body,
                                                     args.batch))
         published = ("publish", client, "mq") in res.best
@@ -373,19 +383,22 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
                     lambda r=raw, t=raw_topic: r.single(t, args.single, body))
             mq("single", lambda b: mq_single(b, f"benchs.{tag}.s", args.single,
                                              body))
-        if "consume" in ops:
+        if "consume" in ops or "many" in ops:
             res.run(("consume", client, "raw"),
                     lambda r=raw: r.consume(consume_topic, args.n, args.batch))
             if not published and broker is not None:  # untimed fill
                 with contextlib.suppress(Exception):
                     bounded(lambda: mq_publish(broker, f"bench.{tag}.t", keys, body, args.batch),
                             what=f"{client} fill")
-            mq("consume", lambda b: mq_consume(b, group, pattern, args.n,
-                                               args.batch))
+            for op in ("consume", "many"):
+                if op in ops:
+                    mq(op, lambda b, o=op: mq_consume(b, groups[o], pattern, args.n,
+                                                      args.batch, many=o == "many"))
     finally:
         if broker is not None:
-            with contextlib.suppress(Exception):
-                bounded(lambda: broker.delete_group(group), 60, f"{client} delete_group")
+            for name in groups.values():
+                with contextlib.suppress(Exception):
+                    bounded(lambda g=name: broker.delete_group(g), 60, f"{client} delete_group")
             with contextlib.suppress(Exception):
                 bounded(broker.close, 60, f"{client} close")
 
@@ -415,7 +428,8 @@ def main() -> None:
         token = "b" + secrets.token_hex(4)
         try:
             consume_topic = f"bench-raw-{token}-c"
-            if "consume" in ops:  # one filled topic, read by each raw client's own group
+            if "consume" in ops or "many" in ops:
+                # one filled topic, read by each raw client's own group
                 create_topics(admin, [consume_topic])
                 fill(args.url, consume_topic, args.n, b"x" * args.size)
             for client in clients:
@@ -426,14 +440,21 @@ def main() -> None:
     print(f"kafka bench at {mqabstract.BrokerURL.parse(args.url).redacted()}: n={args.n} "
           f"single={args.single} size={args.size} B batch={args.batch} "
           f"partitions={PARTITIONS}, best of {args.rounds} rounds (msg/s)")
-    print(f"  {'operation':15s} {'client':13s} {'raw':>12s} {'mqabstract':>12s}  mq/raw")
+    print("  raw: the client alone; raw/batch: the same records confirmed every --batch, as a "
+          "publish_batch call of that size must")
+    print(f"  {'operation':17s} {'client':13s} {'raw':>12s} {'raw/batch':>12s} "
+          f"{'mqabstract':>12s}  mq/raw  mq/raw-batch")
     for op in ops:
         for client in clients:
-            raw_key, mq_key = (op, client, "raw"), (op, client, "mq")
-            ratio = (f"{res.best[mq_key] / res.best[raw_key]:6.2f}"
-                     if mq_key in res.best and res.best.get(raw_key) else f"{'-':>6s}")
-            print(f"  {OP_NAMES[op]:15s} {client:13s} {res.cell(raw_key)} "
-                  f"{res.cell(mq_key)}  {ratio}")
+            raw_op = RAW_OF.get(op, op)
+            raw_key, rawc_key = (raw_op, client, "raw"), (raw_op, client, "rawc")
+            mq_key = (op, client, "mq")
+
+            def ratio(base: tuple[str, str, str], mq_key: tuple[str, str, str] = mq_key) -> str:
+                return (f"{res.best[mq_key] / res.best[base]:6.2f}"
+                        if mq_key in res.best and res.best.get(base) else f"{'-':>6s}")
+            print(f"  {OP_NAMES[op]:17s} {client:13s} {res.cell(raw_key)} {res.cell(rawc_key)} "
+                  f"{res.cell(mq_key)}  {ratio(raw_key)}  {ratio(rawc_key):>12s}")
     for (op, client, side), why in res.failed.items():
         who = "mqabstract" if side == "mq" else "raw"
         some = " (in some rounds; the best of the others is shown)" if (
