@@ -11,7 +11,9 @@ measures, against the same broker, ``size``-byte keyed records, acks=all, idempo
   the broker's acks, as the contract requires) against the raw producer sending ``n``
   records and waiting for every delivery confirmation, two ways: "send all, then flush"
   (``raw``) and "flush every ``batch``" (``raw/batch``: what a ``publish_batch`` call of
-  that size must do); a ratio against each. Raw confluent learns failures the
+  that size must do), and that again with the two headers every mqabstract record carries
+  (``+hdr``: ``mq-id``, ``mq-published-at``; librdkafka's cost per header is not ours to
+  save); a ratio against each. Raw confluent learns failures the
   cheap way: ``delivery.report.only.error`` with one callback that records errors.
 * columns: the same records through ``Broker.publish_columns`` (one topic, bodies and keys as
   columns, chunks of ``batch``), against the same raw baseline.
@@ -81,6 +83,16 @@ def with_client(url: str, client: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}client={client}"
 
 
+def wire_ids(n: int) -> list[bytes]:
+    return [secrets.token_hex(16).encode() for _ in range(n)]
+
+
+def wire_headers(mid: bytes) -> list[tuple[str, bytes]]:
+    """The two headers every mqabstract record carries (wire schema), for a raw baseline
+    that sends what mqabstract sends."""
+    return [("mq-published-at", repr(time.time()).encode()), ("mq-id", mid)]
+
+
 def reason(exc: BaseException) -> str:
     return f"n/a: {type(exc).__name__}: {exc}".replace("\n", " ")[:80]
 
@@ -131,19 +143,22 @@ class RawConfluent:
         if producer.flush(60) or self.errors:
             raise RuntimeError(f"raw confluent: undelivered records ({self.errors[:1]})")
 
-    def produce(self, topic: str, keys: list[bytes], body: bytes, chunk: int = 0) -> float:
+    def produce(self, topic: str, keys: list[bytes], body: bytes, chunk: int = 0,
+                wire: bool = False) -> float:
         producer = self._producer(**{"linger.ms": 5, "batch.size": 4_000_000,
                                      "batch.num.messages": 100_000})
         producer.produce(topic, b"warm-up")
         self._confirm(producer)
         send = producer.produce
+        ids = wire_ids(len(keys)) if wire else []
         start = time.perf_counter()
         for i, key in enumerate(keys):
+            extra = {"headers": wire_headers(ids[i])} if wire else {}
             try:
-                send(topic, body, key)
+                send(topic, body, key, **extra)
             except BufferError:  # local queue full: serve delivery reports, then retry
                 producer.poll(0.05)
-                send(topic, body, key)
+                send(topic, body, key, **extra)
             if chunk and (i + 1) % chunk == 0:
                 self._confirm(producer)
         self._confirm(producer)
@@ -198,13 +213,16 @@ class RawKafkaPython:
                              enable_idempotence=True, linger_ms=linger_ms,
                              batch_size=256 * 1024)
 
-    def produce(self, topic: str, keys: list[bytes], body: bytes, chunk: int = 0) -> float:
+    def produce(self, topic: str, keys: list[bytes], body: bytes, chunk: int = 0,
+                wire: bool = False) -> float:
         producer = self._producer()
         producer.send(topic, b"warm-up").get(timeout=30)
+        ids = wire_ids(len(keys)) if wire else []
         start = time.perf_counter()
         futures = []
         for i, key in enumerate(keys):
-            futures.append(producer.send(topic, value=body, key=key))
+            futures.append(producer.send(topic, value=body, key=key,
+                                         headers=wire_headers(ids[i]) if wire else None))
             if chunk and (i + 1) % chunk == 0:
                 producer.flush()
         producer.flush()
@@ -373,6 +391,8 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
             res.run((op, client, "raw"), lambda r=raw, t=raw_topic: r.produce(t, raw_keys, body))
             res.run((op, client, "rawc"), lambda r=raw, t=raw_topic:
                     r.produce(t, raw_keys, body, args.batch))
+            res.run((op, client, "rawh"), lambda r=raw, t=raw_topic:
+                    r.produce(t, raw_keys, body, args.batch, wire=True))
             mq(op, lambda b, f=publish, s=suffix: f(b, f"bench.{tag}.{s}", keys, body,
                                                     args.batch))
         published = ("publish", client, "mq") in res.best
@@ -440,21 +460,23 @@ def main() -> None:
     print(f"kafka bench at {mqabstract.BrokerURL.parse(args.url).redacted()}: n={args.n} "
           f"single={args.single} size={args.size} B batch={args.batch} "
           f"partitions={PARTITIONS}, best of {args.rounds} rounds (msg/s)")
-    print("  raw: the client alone; raw/batch: the same records confirmed every --batch, as a "
-          "publish_batch call of that size must")
-    print(f"  {'operation':17s} {'client':13s} {'raw':>12s} {'raw/batch':>12s} "
-          f"{'mqabstract':>12s}  mq/raw  mq/raw-batch")
+    print("  raw: the client alone; /batch: the same records confirmed every --batch, as a "
+          "publish_batch call of that size must;\n  +hdr: also carrying the two headers every "
+          "mqabstract record has (mq-id, mq-published-at)")
+    print(f"  {'operation':17s} {'client':13s} {'raw':>10s} {'raw/batch':>10s} "
+          f"{'+hdr':>10s} {'mqabstract':>10s}  mq/raw  /batch   +hdr")
     for op in ops:
         for client in clients:
             raw_op = RAW_OF.get(op, op)
-            raw_key, rawc_key = (raw_op, client, "raw"), (raw_op, client, "rawc")
+            bases = [(raw_op, client, side) for side in ("raw", "rawc", "rawh")]
             mq_key = (op, client, "mq")
 
             def ratio(base: tuple[str, str, str], mq_key: tuple[str, str, str] = mq_key) -> str:
                 return (f"{res.best[mq_key] / res.best[base]:6.2f}"
                         if mq_key in res.best and res.best.get(base) else f"{'-':>6s}")
-            print(f"  {OP_NAMES[op]:17s} {client:13s} {res.cell(raw_key)} {res.cell(rawc_key)} "
-                  f"{res.cell(mq_key)}  {ratio(raw_key)}  {ratio(rawc_key):>12s}")
+            print(f"  {OP_NAMES[op]:17s} {client:13s} "
+                  + " ".join(res.cell(k)[2:] for k in (*bases, mq_key))
+                  + "  " + " ".join(ratio(k) for k in bases))
     for (op, client, side), why in res.failed.items():
         who = "mqabstract" if side == "mq" else "raw"
         some = " (in some rounds; the best of the others is shown)" if (
