@@ -272,6 +272,63 @@ class Worker:
             return [ln.split() for ln in self.lines]
 
 
+@dataclass
+class Frozen:
+    """What ``freeze_a_holder`` saw: the frozen worker's held ids (id → attempt), when each
+    came back to another consumer (id → (monotonic time, attempt)), when the holder's
+    receive started, how long it stayed frozen, its exit code, stderr, and its settles after
+    waking (ACKED / EXPIRED events)."""
+
+    held: dict[str, int]
+    arrived: dict[str, tuple[float, int]]
+    started: float
+    frozen_s: float
+    code: int | None
+    stderr: str
+    after: list[list[str]]
+
+
+def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, lease: float,
+                    held_n: int, ledger: Ledger, margin: float, frozen_for: float = 0.0
+                    ) -> Frozen:
+    """A worker process receives ``held_n`` messages and is SIGSTOPped holding them; a
+    consumer here drains the group (acking into ``ledger``) until every confirmed id is
+    acked; the holder stays frozen at least ``frozen_for`` seconds, is woken and tries to
+    ack what it held."""
+    holder: Worker | None = None
+    try:
+        holder = Worker("hold", url, group, pattern, str(lease), str(held_n))
+        assert holder.wait_for("HELD", 1, 120), holder.stderr
+        holder.freeze()
+        frozen_at = time.monotonic()
+        events = holder.events()
+        started = next(float(e[1]) for e in events if e[0] == "RECVAT")
+        held = {e[1]: int(e[2]) for e in events if e[0] == "RECV"}
+        for mid, attempt in held.items():
+            ledger.deliver(mid, attempt, digest(body_for(mid)))
+        arrived: dict[str, tuple[float, int]] = {}
+        with mq.subscribe(group, pattern, lease=lease, max_attempts=50) as sub:
+            limit = time.monotonic() + lease + margin + 60
+            while set(ledger.expected) - ledger.acked and time.monotonic() < limit:
+                for msg in sub.receive(100, 0.2):
+                    ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                    if msg.id in held:
+                        arrived.setdefault(msg.id, (time.monotonic(), msg.attempt))
+                    msg.ack()
+                    ledger.ack(msg.id)
+            time.sleep(max(0.0, frozen_at + frozen_for - time.monotonic()))
+            frozen_s = time.monotonic() - frozen_at
+            holder.thaw()
+            holder.tell()
+            code = holder.finish(60)
+        after = [e for e in holder.events() if e[0] in ("ACKED", "EXPIRED")]
+        return Frozen(held, arrived, started, frozen_s, code, holder.stderr, after)
+    finally:
+        if holder is not None and holder.proc.poll() is None:
+            holder.thaw()
+            holder.kill()
+
+
 def feed(ledger: Ledger, *workers: Worker) -> None:
     """Add consumer workers' RECV / ACKED lines to the ledger (after they exited), merged
     in time order when they ran at the same time (the lines carry time.monotonic())."""

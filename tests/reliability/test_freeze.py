@@ -26,9 +26,9 @@ from .support import (
     body_for,
     cleanup,
     collect_dead,
-    digest,
     drain,
     feed,
+    freeze_a_holder,
     kind,
     seed_for,
     token,
@@ -61,41 +61,17 @@ def test_frozen_holder_releases_within_lease_and_margin(backend: str, rel_url: s
     with mqabstract.connect(rel_url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=FREEZE_LEASE, max_attempts=50)
-        holder: Worker | None = None
         try:
             _publish(mq, topic, tok, 3 * HELD, ledger)
-            holder = Worker("hold", rel_url, group, pattern, str(FREEZE_LEASE), str(HELD))
-            assert holder.wait_for("HELD", 1, 120), holder.stderr
-            holder.freeze()
-            events = holder.events()
-            started = next(float(e[1]) for e in events if e[0] == "RECVAT")
-            held = {e[1]: int(e[2]) for e in events if e[0] == "RECV"}
-            for mid, attempt in held.items():
-                ledger.deliver(mid, attempt, digest(body_for(mid)))
-            arrived: dict[str, float] = {}
-            with mq.subscribe(group, pattern, lease=FREEZE_LEASE, max_attempts=50) as sub:
-                limit = time.monotonic() + FREEZE_LEASE + margin + 60
-                while set(ledger.expected) - ledger.acked and time.monotonic() < limit:
-                    for msg in sub.receive(100, 0.2):
-                        now = time.monotonic()
-                        ledger.deliver(msg.id, msg.attempt, digest(msg.body))
-                        if msg.id in held:
-                            arrived.setdefault(msg.id, now)
-                        msg.ack()
-                        ledger.ack(msg.id)
-            holder.thaw()
-            holder.tell()
-            code = holder.finish(60)
-            after = [e for e in holder.events() if e[0] in ("ACKED", "EXPIRED")]
+            run = freeze_a_holder(mq, rel_url, group, pattern, FREEZE_LEASE, HELD, ledger,
+                                  margin)
         finally:
-            if holder is not None and holder.proc.poll() is None:
-                holder.thaw()
-                holder.kill()
             cleanup(mq, group)
-    assert code == 0, holder.stderr
-    assert held and set(held) <= set(arrived), f"held {sorted(held)}, came back {arrived}"
-    first = min(arrived.values()) - started
-    took = max(arrived.values()) - started
+    held, after = run.held, run.after
+    assert run.code == 0, run.stderr
+    assert held and set(held) <= set(run.arrived), f"held {sorted(held)}, came back {run.arrived}"
+    first = min(t for t, _ in run.arrived.values()) - run.started
+    took = max(t for t, _ in run.arrived.values()) - run.started
     _check(ledger, reporter, scenario="consumer SIGSTOP", backend=backend, kills=1,
            lease=FREEZE_LEASE, took=round(took, 2), margin=margin)
     assert first >= FREEZE_LEASE, (

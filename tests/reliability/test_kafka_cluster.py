@@ -39,10 +39,10 @@ from .support import (
     LEASE,
     Ledger,
     Reporter,
-    Worker,
     body_for,
     cleanup,
     digest,
+    freeze_a_holder,
     spare_port,
     token,
     with_client,
@@ -411,52 +411,26 @@ def test_consumer_stalled_past_session(cluster: Any, backend: str, reporter: Rep
     with mqabstract.connect(url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
-        holder: Worker | None = None
         try:
             ids = mq.publish_batch([mqabstract.OutgoingMessage(
                 topic, body_for(f"{tok}-{i}"), id=f"{tok}-{i}") for i in range(3 * held_n)])
             for mid in ids:
                 ledger.confirm(mid, body_for(mid))
-            holder = Worker("hold", url, group, pattern, str(LEASE), str(held_n))
-            assert holder.wait_for("HELD", 1, 120), holder.stderr
-            holder.freeze()
-            frozen_at = time.monotonic()
-            events = holder.events()
-            started = next(float(e[1]) for e in events if e[0] == "RECVAT")
-            held = {e[1]: int(e[2]) for e in events if e[0] == "RECV"}
-            for mid, attempt in held.items():
-                ledger.deliver(mid, attempt, digest(body_for(mid)))
-            arrived: dict[str, tuple[float, int]] = {}
-            with mq.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
-                limit = time.monotonic() + LEASE + margin + 60
-                while set(ledger.expected) - ledger.acked and time.monotonic() < limit:
-                    for msg in sub.receive(100, 0.2):
-                        ledger.deliver(msg.id, msg.attempt, digest(msg.body))
-                        if msg.id in held:
-                            arrived.setdefault(msg.id, (time.monotonic(), msg.attempt))
-                        msg.ack()
-                        ledger.ack(msg.id)
-                # frozen longer than session + lease whatever happened above
-                time.sleep(max(0.0, frozen_at + SESSION + LEASE + 1 - time.monotonic()))
-                frozen_s = time.monotonic() - frozen_at
-                holder.thaw()
-                holder.tell()
-                code = holder.finish(60)
-            after = [e for e in holder.events() if e[0] in ("ACKED", "EXPIRED")]
+            # frozen longer than session + lease whatever happens meanwhile
+            run = freeze_a_holder(mq, url, group, pattern, LEASE, held_n, ledger, margin,
+                                  frozen_for=SESSION + LEASE + 1)
         finally:
-            if holder is not None and holder.proc.poll() is None:
-                holder.thaw()
-                holder.kill()
             cleanup(mq, group)
+    held, arrived, after, code = run.held, run.arrived, run.after, run.code
     problems = ledger.problems()
-    took = max((t for t, _ in arrived.values()), default=float("nan")) - started
+    took = max((t for t, _ in arrived.values()), default=float("nan")) - run.started
     expired = sum(1 for e in after if e[0] == "EXPIRED")
     reporter.emit(scenario="kafka cluster: consumer stalled past session", backend=backend,
                   kills=1, published=3 * held_n, **ledger.summary(), problems=len(problems),
                   held=len(held), came_back=len(arrived), came_back_s=round(took, 2), lease=LEASE,
-                  margin=margin, frozen_s=round(frozen_s, 1), stale_acks_expired=expired,
+                  margin=margin, frozen_s=round(run.frozen_s, 1), stale_acks_expired=expired,
                   stale_acks_accepted=len(after) - expired)
-    assert code == 0, holder.stderr
+    assert code == 0, run.stderr
     assert held and set(held) <= set(arrived), f"held {sorted(held)}, came back {arrived}"
     lower = {m: (held[m], a) for m, (_, a) in arrived.items() if a <= held[m]}
     assert not lower, f"redelivered without a higher attempt (held, again): {lower}"
