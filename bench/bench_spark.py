@@ -13,6 +13,9 @@ session writes the same cached DataFrame (``value`` string of ~110 bytes, ``key`
   confluent-kafka (librdkafka) ``produce`` per row with ``acks=all`` + idempotence, an id
   header, linger 5 ms and a final ``flush()`` checked for delivery errors, boto3
   ``send_message_batch`` of 10;
+* **stream**: the same rows as four parquet files, read by a Structured Streaming query
+  (``maxFilesPerTrigger`` 1, ``availableNow``: four micro-batches, reading parquet
+  included) into ``writeStream.format("mqabstract")``;
 * **spark-kafka** (Kafka only): Spark's own Kafka sink (``spark-sql-kafka-0-10`` from Maven
   Central, see ``scripts/spark-kafka/pom.xml``) with ``kafka.acks=all``,
   ``kafka.enable.idempotence=true``, ``kafka.linger.ms=5``, other settings its defaults.
@@ -244,7 +247,7 @@ RAW = {"sqlite": raw_sqlite, "rabbitmq": raw_rabbitmq, "kafka": raw_kafka, "sqs"
 
 
 # -- driver --------------------------------------------------------------------------------------
-def bench(spark: Any, kind: str, url: str, rows: int) -> dict[str, float]:
+def bench(spark: Any, kind: str, url: str, rows: int, workdir: str) -> dict[str, float]:
     from pyspark.sql import functions as F
 
     tag = uuid.uuid4().hex[:8]
@@ -260,6 +263,9 @@ def bench(spark: Any, kind: str, url: str, rows: int) -> dict[str, float]:
     raw = RAW[kind](url, group)
 
     sink_topic = f"bench.sink.{tag}"
+    # The same rows as parquet files for the streaming run: four micro-batches.
+    files = f"{workdir}/stream-{tag}"
+    df.repartition(4).write.parquet(files)
 
     def run_sink() -> None:
         df.write.format("mqabstract").option("url", url).option("topic", sink_topic) \
@@ -277,7 +283,18 @@ def bench(spark: Any, kind: str, url: str, rows: int) -> dict[str, float]:
          .option("kafka.enable.idempotence", "true").option("kafka.linger.ms", "5")
          .mode("append").save())
 
-    runs: list[tuple[str, Callable[[], None]]] = [("raw", run_raw), ("sink", run_sink)]
+    def run_stream() -> None:
+        query = (spark.readStream.schema(df.schema).option("maxFilesPerTrigger", 1)
+                 .parquet(files).writeStream.format("mqabstract").option("url", url)
+                 .option("topic", f"bench.stream.{tag}")
+                 .option("checkpointLocation", f"{workdir}/checkpoint-{tag}")
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        if query.exception() is not None:
+            raise RuntimeError(f"streaming run failed: {query.exception()}")
+
+    runs: list[tuple[str, Callable[[], None]]] = [("raw", run_raw), ("sink", run_sink),
+                                                  ("stream", run_stream)]
     if kind == "kafka":
         spark_topic = kafka_topic(url, f"bench-spark-{group}")
         runs.append(("spark-kafka", run_spark_kafka))
@@ -295,6 +312,8 @@ def bench(spark: Any, kind: str, url: str, rows: int) -> dict[str, float]:
         from mqabstract.backends.kafka import kafka_topic_name
 
         out["stored"] = float(kafka_count(url, kafka_topic_name(sink_topic)))
+        out["stream stored"] = float(
+            kafka_count(url, kafka_topic_name(f"bench.stream.{tag}")))
         out["raw stored"] = float(kafka_count(url, f"bench-raw-{group}"))
         out["spark-kafka stored"] = float(kafka_count(url, spark_topic))
     df.unpersist()
@@ -336,10 +355,12 @@ def main() -> int:
             if url is None:
                 continue
             rows = args.rows or DEFAULT_ROWS[kind]
-            r = bench(spark, kind, url, rows)
+            r = bench(spark, kind, url, rows, workdir)
             results[kind] = {"rows": rows, **r}
             line = (f"{kind:<9} rows={rows:>9,}  sink {r['sink']:>9,.0f} rows/s   raw "
-                    f"{r['raw']:>9,.0f} rows/s   sink/raw {r['sink'] / r['raw']:.2f}x")
+                    f"{r['raw']:>9,.0f} rows/s   sink/raw {r['sink'] / r['raw']:.2f}x   "
+                    f"streaming sink {r['stream']:>9,.0f} rows/s "
+                    f"({r['stream'] / r['sink']:.2f}x the batch sink)")
             if "spark-kafka" in r:
                 line += (f"   spark-kafka {r['spark-kafka']:>9,.0f} rows/s   "
                          f"sink/spark-kafka {r['sink'] / r['spark-kafka']:.2f}x")
