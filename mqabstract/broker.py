@@ -556,9 +556,6 @@ class Subscription:
         """
         backoff = backoff or Backoff()
         stats = ConsumeStats()
-        caps = self._broker.capabilities
-        can_delay = caps.supports(Feature.NACK_DELAY)
-        can_dead = caps.supports(Feature.DEAD_LETTER)
         last_message = time.monotonic()
         failures = 0
         self._stop.clear()
@@ -594,33 +591,42 @@ class Subscription:
                 stats.received += 1
                 try:
                     handler(msg)
-                except LeaseExpired as exc:  # the handler settled too late: counted, logged
-                    self._count_expired(stats, msg, exc)
-                    continue
                 except Exception as exc:
-                    stats.failed += 1
-                    if msg.settled:
-                        continue
-                    reason = f"{type(exc).__name__}: {exc}"
-                    try:
-                        if can_dead and msg.attempt >= self.spec.max_attempts:
-                            log.warning("consume: %s dead-lettered after %d attempts: %s",
-                                        msg.id, msg.attempt, reason)
-                            msg.dead_letter(reason)
-                            stats.dead_lettered += 1
-                        else:
-                            msg.nack(backoff.delay(msg.attempt) if can_delay else 0.0)
-                            stats.retried += 1
-                    except LeaseExpired as late:
-                        self._count_expired(stats, msg, late)
+                    self._outcome(msg, exc, stats, backoff)
                     continue
-                if not msg.settled:
-                    try:
-                        msg.ack()
-                        stats.acked += 1
-                    except LeaseExpired as late:
-                        self._count_expired(stats, msg, late)
+                self._outcome(msg, None, stats, backoff)
         return stats
+
+    def _outcome(self, msg: Message, exc: Exception | None, stats: ConsumeStats,
+                 backoff: Backoff) -> None:
+        """Settle ``msg`` after its handler returned (``exc`` None: ack unless it settled
+        the message itself) or raised ``exc`` (nack with backoff; dead-letter on the final
+        attempt; a ``LeaseExpired`` is counted, not retried). Shared by the sync and the
+        asyncio ``consume``."""
+        if isinstance(exc, LeaseExpired):  # the handler settled too late: counted, logged
+            self._count_expired(stats, msg, exc)
+            return
+        if exc is not None:
+            stats.failed += 1
+        if msg.settled:
+            return
+        caps = self._broker.capabilities
+        try:
+            if exc is None:
+                msg.ack()
+                stats.acked += 1
+            elif caps.supports(Feature.DEAD_LETTER) and msg.attempt >= self.spec.max_attempts:
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("consume: %s dead-lettered after %d attempts: %s",
+                            msg.id, msg.attempt, reason)
+                msg.dead_letter(reason)
+                stats.dead_lettered += 1
+            else:
+                msg.nack(backoff.delay(msg.attempt) if caps.supports(Feature.NACK_DELAY)
+                         else 0.0)
+                stats.retried += 1
+        except LeaseExpired as late:
+            self._count_expired(stats, msg, late)
 
     @staticmethod
     def _count_expired(stats: ConsumeStats, msg: Message, exc: LeaseExpired) -> None:
@@ -640,18 +646,24 @@ class Subscription:
         with self._lock:
             pending = list(self._unsettled)
             self._unsettled.clear()
-        now = self._broker._monotonic()
-        for msg in pending:
-            if msg._state is None and now < msg._deadline:  # a stale release never goes out
-                msg._state = "released"
-                try:
-                    self._inner.nack(msg._receipt, 0.0)
-                except Exception as exc:  # the connection may be gone; leases expire anyway
-                    log.debug("close: could not release %s: %s", msg.id, redact(str(exc)))
+        self._release(pending)
         self._closed = True
         self._broker._forget(self)
         with self._broker._guard:
             self._inner.close()
+
+    def _release(self, messages: Iterable[Message]) -> None:
+        """Hand unsettled messages back for redelivery at once (close; a cancelled asyncio
+        receive). Never dead-letters; a message whose lease is gone is left to expire."""
+        now = self._broker._monotonic()
+        for msg in messages:
+            if msg._state is None and now < msg._deadline:  # a stale release never goes out
+                msg._state = "released"
+                self._forget(msg)
+                try:
+                    self._inner.nack(msg._receipt, 0.0)
+                except Exception as exc:  # the connection may be gone; leases expire anyway
+                    log.debug("release of %s failed: %s", msg.id, redact(str(exc)))
 
     def __enter__(self) -> Subscription:
         return self
