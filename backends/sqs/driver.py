@@ -9,7 +9,9 @@ import re
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import boto3
@@ -82,6 +84,9 @@ _STALE_CODES = {
 _MISSING_QUEUE = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"}
 
 
+#: Messages per driver publish call: split into SNS batches of 10 sent on parallel lanes.
+PUBLISH_MAX = 100
+
 def _code(exc: botocore.exceptions.ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
@@ -105,6 +110,9 @@ class SQSDriver(Driver):
         ),
         "connect_timeout": Option(float, 5.0, "seconds to connect before ConnectionFailed"),
         "retries": Option(int, 3, "botocore retry attempts for throttling and 5xx"),
+        "publish_lanes": Option(
+            int, 4, "concurrent SNS batch calls per publish (messages of one key share a lane)"
+        ),
     }
 
     CAPABILITIES = Capabilities(
@@ -124,7 +132,7 @@ class SQSDriver(Driver):
         max_headers=64,
         max_header_bytes=MAX_HEADER_BYTES,
         max_delay=MAX_DELAY,
-        max_batch=BATCH,
+        max_batch=PUBLISH_MAX,
         max_priority=0,
         max_lease=float(MAX_VISIBILITY),
         min_lease=1.0,  # visibility timeouts are whole seconds
@@ -260,8 +268,37 @@ class SQSDriver(Driver):
                 MessageDeduplicationId=_dedup_id(env.topic, env.id),
             )
             return
-        confirmed: list[str] = []
-        for chunk in _size_chunks(list(range(len(envelopes))), wires, SNS_MAX_MESSAGE):
+        # Lanes: up to ``publish_lanes`` SNS calls in flight; a key's messages (one FIFO
+        # message group) stay in one lane, in order, so they never race each other.
+        lanes: dict[int, list[int]] = {}
+        n_lanes = max(1, self._opts["publish_lanes"])
+        for i, wire in enumerate(wires):
+            lanes.setdefault(zlib.crc32(wire.group_id.encode()) % n_lanes, []).append(i)
+        work = [_size_chunks(idx, wires, SNS_MAX_MESSAGE) for idx in lanes.values()]
+        if len(work) == 1:
+            outcomes = [self._publish_lane(envelopes, wires, work[0])]
+        else:
+            with ThreadPoolExecutor(len(work), thread_name_prefix="mqabstract-sqs") as pool:
+                outcomes = list(pool.map(
+                    lambda chunks: self._publish_lane(envelopes, wires, chunks), work))
+        done = {i for ok, _ in outcomes for i in ok}
+        failed = {i: err for _, bad in outcomes for i, err in bad.items()}
+        if not failed:
+            return
+        if not done:  # nothing was published: the first real failure says why
+            raise next(err for _, err in sorted(failed.items())
+                       if not str(err).startswith("not sent"))
+        raise PublishError(
+            f"sqs: {len(failed)} of {len(envelopes)} messages not confirmed by SNS",
+            published=[envelopes[i].id for i in sorted(done)], failed=failed,
+        )
+
+    def _publish_lane(self, envelopes: Sequence[Envelope], wires: Sequence[_Wire],
+                      chunks: list[list[int]]) -> tuple[list[int], dict[int, MQError]]:
+        """Send one lane's chunks in order: (confirmed indexes, failed index → error); after
+        a failure the lane's later chunks are not sent (their order would break)."""
+        confirmed: list[int] = []
+        for k, chunk in enumerate(chunks):
             entries = [_sns_entry(wires[i], i, envelopes[i]) for i in chunk]
             try:
                 result = self._call(
@@ -269,29 +306,18 @@ class SQSDriver(Driver):
                     PublishBatchRequestEntries=entries,
                 )
             except MQError as exc:
-                if not confirmed:
-                    raise
-                self._partial(envelopes, confirmed, {i: exc for i in chunk}, chunk)
-            failed = {
-                int(f["Id"]): MQError(f"sqs: {f.get('Code')}: {f.get('Message', '')}")
-                for f in result.get("Failed", [])
-            }
-            ok = [i for i in chunk if i not in failed]
-            confirmed.extend(envelopes[i].id for i in ok)
+                failed: dict[int, MQError] = {i: exc for i in chunk}
+            else:
+                failed = {
+                    int(f["Id"]): MQError(f"sqs: {f.get('Code')}: {f.get('Message', '')}")
+                    for f in result.get("Failed", [])
+                }
+                confirmed.extend(i for i in chunk if i not in failed)
             if failed:
-                self._partial(envelopes, confirmed, failed, chunk)
-
-    def _partial(
-        self, envelopes: Sequence[Envelope], confirmed: list[str], failed: dict[int, MQError],
-        chunk: Sequence[int],
-    ) -> None:
-        not_sent = MQError("not sent: an earlier part of the batch failed")
-        last = max(chunk)
-        failed = {**failed, **{i: not_sent for i in range(last + 1, len(envelopes))}}
-        raise PublishError(
-            f"sqs: {len(failed)} of {len(envelopes)} messages not confirmed by SNS",
-            published=list(confirmed), failed=failed,
-        )
+                not_sent = MQError("not sent: an earlier message of its lane failed")
+                failed.update({i: not_sent for later in chunks[k + 1:] for i in later})
+                return confirmed, failed
+        return confirmed, {}
 
     # -- groups -------------------------------------------------------------------------------
     def _names(self, group: str) -> tuple[str, str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 
 import pytest
 
@@ -161,3 +162,56 @@ def _admits(rules: list, topic: str) -> bool:
 
 def test_body_limit_leaves_room_for_base64_and_attributes() -> None:
     assert (MAX_BODY + 2) // 3 * 4 + 20 * 1024 <= SNS_MAX_MESSAGE
+
+
+def test_batch_lanes_keep_each_keys_order(mq, names) -> None:
+    """A publish_batch goes out on parallel lanes; one key's messages share a lane, so an
+    ordered (FIFO) group still gets each key's messages in publish order."""
+    group, root = names
+    sub = mq.subscribe(group, f"{root}.#", ordered=True, lease=30)
+    keys = [f"k{i % 5}" for i in range(60)]
+    ids = mq.publish_batch([mqabstract.OutgoingMessage(f"{root}.a", f"{i}".encode(), key=k)
+                            for i, k in enumerate(keys)])
+    got: list[mqabstract.Message] = []
+    deadline = time.monotonic() + 60
+    while len(got) < len(ids) and time.monotonic() < deadline:
+        batch = sub.receive(10, 1)
+        got.extend(batch)
+        sub.ack_many(batch)
+    assert sorted(m.id for m in got) == sorted(ids)
+    for key in set(keys):
+        bodies = [int(m.body) for m in got if m.key == key]
+        assert bodies == sorted(bodies), (key, bodies)
+
+
+def test_a_failed_lane_names_what_was_published_and_what_not(mq, names, monkeypatch) -> None:
+    """One SNS call fails: its messages and its lane's later ones are reported failed,
+    every other lane's messages published (PublishError says which)."""
+    group, root = names
+    sub = mq.subscribe(group, f"{root}.#", lease=30)
+    driver = mq._driver
+    call = driver._call
+    poisoned = "poison"
+
+    def flaky(what: str, fn: object, **kwargs: object) -> object:
+        entries = kwargs.get("PublishBatchRequestEntries") or []
+        if any(poisoned in e["Message"] for e in entries):  # type: ignore[index]
+            raise mqabstract.ConnectionFailed("sqs: injected failure")
+        return call(what, fn, **kwargs)
+
+    monkeypatch.setattr(driver, "_call", flaky)
+    msgs = [mqabstract.OutgoingMessage(f"{root}.a", poisoned if i == 3 else f"m{i}",
+                                       key=f"k{i % 8}", id=f"{root}-{i}") for i in range(80)]
+    with pytest.raises(mqabstract.PublishError) as info:
+        mq.publish_batch(msgs)
+    err = info.value
+    assert 3 in err.failed and err.published
+    assert set(err.published).isdisjoint({f"{root}-{i}" for i in err.failed})
+    assert len(err.published) + len(err.failed) == len(msgs)
+    got: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(got) < len(err.published) and time.monotonic() < deadline:
+        batch = sub.receive(10, 1)
+        got.update(m.id for m in batch)
+        sub.ack_many(batch)
+    assert got == set(err.published)  # exactly what was reported published arrived
