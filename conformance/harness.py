@@ -19,7 +19,9 @@ log = logging.getLogger("mqabstract.conformance")
 class Ctx:
     """What a scenario needs: the broker, unique names, timing, and cleanup at teardown."""
 
-    def __init__(self, url: str, broker: Broker, scale: float = 1.0) -> None:
+    def __init__(self, url: str, broker: Broker, scale: float = 1.0,
+                 connect: Callable[[str], Broker] = mqabstract.connect) -> None:
+        self._connect = connect
         self.url = url
         self.broker = broker
         self.caps = broker.capabilities
@@ -62,7 +64,7 @@ class Ctx:
     # -- resources -----------------------------------------------------------------------
     def connect(self) -> Broker:
         """A second, independent connection to the same URL (closed at teardown)."""
-        broker = mqabstract.connect(self.url)
+        broker = self._connect(self.url)
         self._brokers.append(broker)
         return broker
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -23,6 +24,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="URL",
         help="broker URL to run the conformance suite against (repeatable)",
+    )
+    group.addoption(
+        "--mq-api",
+        choices=("sync", "async", "both"),
+        default="sync",
+        help="run the scenarios through the sync API, the asyncio API (mqabstract.aio), or both",
     )
     group.addoption(
         "--mq-time-scale",
@@ -60,6 +67,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if len(set(ids)) != len(ids):
             ids = [f"{i}{n}" for n, i in enumerate(ids)]
         metafunc.parametrize("mq_url", urls, ids=ids, indirect=True, scope="session")
+        api = metafunc.config.getoption("mq_api")
+        apis = ["sync", "async"] if api == "both" else [api]
+        metafunc.parametrize("mq_api", apis, ids=apis, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")
@@ -69,18 +79,34 @@ def mq_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def mq_broker(mq_url: str) -> Iterator[mqabstract.Broker]:
-    """One shared connection per URL for the whole session."""
-    broker = mqabstract.connect(mq_url)
+def mq_api(request: pytest.FixtureRequest) -> str:
+    """``sync``, or ``async``: the scenarios call ``mqabstract.aio`` through a sync-shaped
+    wrapper (``through_async``)."""
+    return str(getattr(request, "param", "sync"))
+
+
+def _connector(api: str) -> Callable[[str], mqabstract.Broker]:
+    if api == "async":
+        from . import through_async
+
+        return cast(Callable[[str], mqabstract.Broker], through_async.connect)
+    return mqabstract.connect
+
+
+@pytest.fixture(scope="session")
+def mq_broker(mq_url: str, mq_api: str) -> Iterator[mqabstract.Broker]:
+    """One shared connection per URL (and API) for the whole session."""
+    broker = _connector(mq_api)(mq_url)
     yield broker
     broker.close()
 
 
 @pytest.fixture
 def mq_ctx(
-    mq_url: str, mq_broker: mqabstract.Broker, request: pytest.FixtureRequest
+    mq_url: str, mq_api: str, mq_broker: mqabstract.Broker, request: pytest.FixtureRequest
 ) -> Iterator[Ctx]:
     """Per-test helper: unique names, cleanup of groups and extra connections."""
-    ctx = Ctx(mq_url, mq_broker, request.config.getoption("mq_time_scale"))
+    ctx = Ctx(mq_url, mq_broker, request.config.getoption("mq_time_scale"),
+              connect=_connector(mq_api))
     yield ctx
     ctx.cleanup()

@@ -1,0 +1,349 @@
+"""asyncio API: the same brokers, methods, checks, errors and lease rule as the sync API.
+
+    from mqabstract import aio
+
+    async with await aio.connect("amqp://…") as mq:
+        sub = await mq.subscribe("billing", "orders.#")
+        await mq.publish("orders.eu.created", {"order": 42})
+        async for msg in sub:
+            print(msg.value)
+            await msg.ack()
+
+Every call goes through the sync portable layer (one implementation of validation,
+leases, dead-lettering and drivers) on a pool of I/O threads owned by the broker, so the
+event loop never waits for broker I/O. A ``receive`` waits in slices of at most
+``SLICE`` seconds, which bounds how long it holds a pool thread; cancelling it is safe:
+messages its last slice returns after the cancellation are handed back for redelivery at
+once (as ``Subscription.close`` does), never left leased to nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import math
+import time
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Sequence,
+)
+from datetime import datetime
+from typing import Any, TypeVar
+
+from . import connect as _connect_sync
+from .broker import Backoff, Broker, ConsumeStats, Message, Subscription, _check_seconds
+from .capabilities import Capabilities
+from .errors import InvalidArgument, MQError
+from .model import DeadLetter, GroupSpec, GroupStats
+
+__all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
+
+T = TypeVar("T")
+
+#: Longest single wait of a ``receive`` on a pool thread (seconds).
+SLICE = 0.5
+#: I/O threads per broker by default: waiting receives and other calls share them.
+IO_THREADS = 16
+
+
+class _Runner:
+    """The broker's I/O pool: runs sync calls off the event loop."""
+
+    def __init__(self, threads: int) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads,
+                                                          thread_name_prefix="mqabstract-aio")
+
+        self.shut = False
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any
+               ) -> concurrent.futures.Future[T]:
+        """On the pool; once the broker is closed (pool shut down) right here: every call
+        then fails at once with ``Closed`` from the sync layer, without I/O."""
+        if not self.shut:
+            try:
+                return self.pool.submit(fn, *args, **kwargs)
+            except RuntimeError:  # shut down meanwhile
+                pass
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+    async def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self.shut = True
+        self.pool.shutdown(wait=False)
+
+
+async def connect(url: str | None = None, *, io_threads: int = IO_THREADS,
+                  **options: Any) -> AsyncBroker:
+    """``mqabstract.connect`` for asyncio: the same URL rules and options."""
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+        raise InvalidArgument(f"io_threads must be an int ≥ 1, got {io_threads!r}")
+    run = _Runner(io_threads)
+    try:
+        broker = await run(_connect_sync, url, **options)
+    except BaseException:
+        run.shutdown()
+        raise
+    return AsyncBroker(broker, run)
+
+
+class AsyncMessage:
+    """A received message; settle it with ``await msg.ack()`` and friends."""
+
+    __slots__ = ("_run", "_sub", "message")
+
+    def __init__(self, message: Message, sub: AsyncSubscription) -> None:
+        self.message = message  #: the sync message underneath (same state)
+        self._sub = sub
+        self._run = sub._run
+
+    id = property(lambda self: self.message.id)
+    topic = property(lambda self: self.message.topic)
+    body = property(lambda self: self.message.body)
+    headers = property(lambda self: self.message.headers)
+    key = property(lambda self: self.message.key)
+    priority = property(lambda self: self.message.priority)
+    attempt = property(lambda self: self.message.attempt)
+
+    @property
+    def value(self) -> Any:
+        return self.message.value
+
+    @property
+    def published_at(self) -> datetime:
+        return self.message.published_at
+
+    @property
+    def settled(self) -> bool:
+        return self.message.settled
+
+    @property
+    def lease_remaining(self) -> float:
+        return self.message.lease_remaining
+
+    async def ack(self) -> None:
+        """Done: remove the message for this group. A second ack is a no-op."""
+        await self._run(self.message.ack)
+
+    async def nack(self, delay: float = 0.0) -> None:
+        """Give it back for redelivery after ``delay`` seconds (dead-lettered on the final
+        attempt)."""
+        await self._run(self.message.nack, delay)
+
+    async def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
+        await self._run(self.message.dead_letter, reason)
+
+    async def extend(self, seconds: float) -> None:
+        """Renew the lease: keep the message ours for ``seconds`` from now."""
+        await self._run(self.message.extend, seconds)
+
+    def __repr__(self) -> str:
+        return f"Async{self.message!r}"
+
+
+class AsyncSubscription:
+    """A consumer of a group: ``receive``, ``async for``, ``consume``."""
+
+    def __init__(self, sub: Subscription, run: _Runner) -> None:
+        self.subscription = sub  #: the sync subscription underneath
+        self._run = run
+        self._stop = asyncio.Event()
+
+    group = property(lambda self: self.subscription.group)
+    pattern = property(lambda self: self.subscription.pattern)
+    closed = property(lambda self: self.subscription.closed)
+
+    async def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[AsyncMessage]:
+        """Up to ``max_messages`` messages, waiting up to ``wait`` seconds for the first;
+        the sync ``receive``'s checks and lease rule. Cancellation hands back what the
+        pending slice returns."""
+        sub = self.subscription
+        sub._check_open()
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise InvalidArgument(f"max_messages must be an int ≥ 1, got {max_messages!r}")
+        deadline = time.monotonic() + _check_seconds(wait, "wait", math.inf)
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            future = self._run.submit(sub.receive, max_messages, min(left, SLICE))
+            try:
+                got = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                future.add_done_callback(functools.partial(_hand_back, sub))
+                raise
+            if got or left <= SLICE or sub.closed:
+                return [AsyncMessage(m, self) for m in got]
+
+    async def ack_many(self, messages: Iterable[AsyncMessage]) -> None:
+        """``Subscription.ack_many``: one driver call for many acks."""
+        batch = [m.message if isinstance(m, AsyncMessage) else m for m in messages]
+        await self._run(self.subscription.ack_many, batch)
+
+    def __aiter__(self) -> AsyncIterator[AsyncMessage]:
+        return self._iterate()
+
+    async def _iterate(self, batch: int = 10) -> AsyncIterator[AsyncMessage]:
+        """Messages as they come, until the subscription is closed or ``stop()`` called."""
+        while not self.closed and not self._stop.is_set():
+            for msg in await self.receive(batch, SLICE):
+                yield msg
+
+    async def consume(
+        self,
+        handler: Callable[[AsyncMessage], Awaitable[object]],
+        *,
+        max_messages: int | None = None,
+        idle_timeout: float | None = None,
+        batch: int = 10,
+        wait: float = 1.0,
+        backoff: Backoff | None = None,
+    ) -> ConsumeStats:
+        """The sync ``consume`` with a coroutine handler: ack on return, nack with backoff
+        when it raises, dead-letter on the final attempt (the same settle rules, shared);
+        ends after ``max_messages``, ``idle_timeout`` without messages, or ``stop()``."""
+        if not inspect.iscoroutinefunction(handler) and not inspect.iscoroutinefunction(
+                getattr(handler, "__call__", None)):  # noqa: B004 - callable objects too
+            raise InvalidArgument("the asyncio consume takes a coroutine function (async def)")
+        for name, value in (("batch", batch), ("max_messages", max_messages)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise InvalidArgument(f"{name} must be an int ≥ 1, got {value!r}")
+        if idle_timeout is not None:
+            _check_seconds(idle_timeout, "idle_timeout", math.inf)
+        backoff = backoff or Backoff()
+        stats = ConsumeStats()
+        last = time.monotonic()
+        self._stop.clear()
+        sub = self.subscription
+        while not self._stop.is_set() and not sub.closed:
+            if max_messages is not None and stats.received >= max_messages:
+                break
+            want = batch if max_messages is None else min(batch, max_messages - stats.received)
+            poll = wait
+            if idle_timeout is not None:
+                left = idle_timeout - (time.monotonic() - last)
+                if left <= 0:
+                    break
+                poll = min(wait, left)
+            try:
+                messages = await self.receive(want, poll)
+            except MQError as exc:
+                if not exc.retryable or sub.closed:
+                    raise
+                await asyncio.sleep(backoff.delay(1))
+                continue
+            if messages:
+                last = time.monotonic()
+            for msg in messages:
+                stats.received += 1
+                try:
+                    await handler(msg)
+                except Exception as exc:
+                    await self._run(sub._outcome, msg.message, exc, stats, backoff)
+                    continue
+                await self._run(sub._outcome, msg.message, None, stats, backoff)
+        return stats
+
+    def stop(self) -> None:
+        """Make a running ``consume`` or ``async for`` return after its current message."""
+        self._stop.set()
+
+    async def close(self) -> None:
+        """Detach; unsettled messages are handed back for redelivery at once."""
+        self._stop.set()
+        await self._run(self.subscription.close)
+
+    async def __aenter__(self) -> AsyncSubscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"Async{self.subscription!r}"
+
+
+def _hand_back(sub: Subscription, future: concurrent.futures.Future[list[Message]]) -> None:
+    """A cancelled receive's slice came back with messages nobody will see: release them."""
+    if not future.cancelled() and future.exception() is None:
+        sub._release(future.result())
+
+
+class AsyncBroker:
+    """``Broker`` for asyncio: the same methods as coroutines."""
+
+    def __init__(self, broker: Broker, run: _Runner) -> None:
+        self.broker = broker  #: the sync broker underneath
+        self._run = run
+
+    url = property(lambda self: self.broker.url)
+    backend = property(lambda self: self.broker.backend)
+    closed = property(lambda self: self.broker.closed)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.broker.capabilities
+
+    async def publish(self, topic: str, body: Any, **options: Any) -> str:
+        """``Broker.publish``: confirmed by the broker when it returns; the message id."""
+        return await self._run(self.broker.publish, topic, body, **options)
+
+    async def publish_batch(self, messages: Iterable[Any]) -> list[str]:
+        return await self._run(self.broker.publish_batch, list(messages))
+
+    async def publish_columns(self, topic: str, bodies: Sequence[Any], **columns: Any
+                              ) -> list[str]:
+        return await self._run(self.broker.publish_columns, topic, bodies, **columns)
+
+    async def declare(self, group: str, pattern: str, **options: Any) -> GroupSpec:
+        """``Broker.declare``: create the durable group (idempotent)."""
+        return await self._run(self.broker.declare, group, pattern, **options)
+
+    async def subscribe(self, group: str, pattern: str, **options: Any) -> AsyncSubscription:
+        """``Broker.subscribe``: declare the group and attach a consumer."""
+        sub = await self._run(self.broker.subscribe, group, pattern, **options)
+        return AsyncSubscription(sub, self._run)
+
+    async def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
+        return await self._run(self.broker.dead_letters, group, limit)
+
+    async def replay_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:
+        return await self._run(self.broker.replay_dead_letters, group, ids)
+
+    async def purge_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:
+        return await self._run(self.broker.purge_dead_letters, group, ids)
+
+    async def stats(self, group: str) -> GroupStats:
+        return await self._run(self.broker.stats, group)
+
+    async def delete_group(self, group: str) -> None:
+        await self._run(self.broker.delete_group, group)
+
+    async def close(self) -> None:
+        """Close the broker (its subscriptions first), then the I/O pool."""
+        try:
+            await self._run(self.broker.close)
+        finally:
+            self._run.shutdown()
+
+    async def __aenter__(self) -> AsyncBroker:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"Async{self.broker!r}"
+
+
