@@ -15,7 +15,7 @@ from typing import Any
 
 ORDER = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
 COLUMNS = ("kills", "confirmed", "in_flight", "delivered", "duplicates", "dead_lettered",
-           "lost", "lost_by_dev_broker", "problems")
+           "lost", "ack_in_doubt", "lost_by_dev_broker", "problems")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -54,6 +54,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             if c.get("in_flight"):
                 messages += f" (+{c['in_flight']} in flight)"
         lost = str(c.get("lost", 0))
+        if c.get("ack_in_doubt"):
+            lost += (f" ({c['ack_in_doubt']} acked by a consumer killed inside ack(): "
+                     "not redelivered, in doubt)")
         if c.get("lost_by_dev_broker"):
             lost += f" (+{c['lost_by_dev_broker']} wiped by the non-durable dev broker)"
         if c.get("problems"):

@@ -128,10 +128,7 @@ class Ledger:
         """Every broken invariant, as readable lines (empty when all hold)."""
         out: list[str] = []
         known = {**self.maybe, **self.expected}
-        # An id whose consumer was killed inside ack() (ACKING printed, ACKED not) may well be
-        # acked on the broker and then never comes back: that is finished, not lost.
-        finished = self.acked | set(self.dead) | self.acking
-        lost = sorted(set(self.expected) - finished)
+        lost = sorted(self._lost())
         if lost:
             out.append(f"{len(lost)} confirmed messages neither acked nor dead-lettered: "
                        f"{lost[:5]}")
@@ -164,8 +161,14 @@ class Ledger:
                        f"(id: (attempts, deliveries seen)): {sample}")
         return out
 
+    def _lost(self) -> set[str]:
+        """Confirmed ids neither acked nor dead-lettered. An id whose consumer was killed
+        inside ack() (ACKING printed, ACKED not) may well be acked on the broker and then
+        never comes back: that is finished (in doubt), not lost."""
+        return set(self.expected) - self.acked - set(self.dead) - self.acking
+
     def summary(self) -> dict[str, Any]:
-        finished = self.acked | set(self.dead)
+        settled = self.acked | set(self.dead)
         return {
             "confirmed": len(self.expected),
             "in_flight": len(self.maybe),
@@ -175,7 +178,8 @@ class Ledger:
             "redelivered_after_ack": self.after_ack(),
             "acked": len(self.acked),
             "dead_lettered": len(self.dead),
-            "lost": len(set(self.expected) - finished),
+            "lost": len(self._lost()),
+            "ack_in_doubt": len((set(self.expected) & self.acking) - settled),
         }
 
 
