@@ -18,10 +18,8 @@ State (pids, logs, data) lives under ``<repo>/.brokers/`` or ``$MQ_BROKERS_DIR``
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import fcntl
-import http.client
 import json
 import os
 import re
@@ -114,216 +112,23 @@ def redact(url: str) -> str:
 
 
 # --------------------------------------------------------------------------- probes
+# The protocol probes live in the package (stdlib only) so the conformance plugin's container
+# launcher uses the same ones; re-exported here for the scripts and tests that use them.
+sys.path.insert(0, str(REPO))
+from mqabstract.probe import (  # noqa: E402
+    PROBES,
+    amqp_handshake,
+    amqp_ready,
+    kafka_api_versions,
+    kafka_brokers,
+    kafka_ready,
+    new_cluster_id,
+    ready,
+    sqs_ready,
+)
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed by peer")
-        buf += chunk
-    return bytes(buf)
-
-
-def _amqp_method(channel: int, class_id: int, method_id: int, args: bytes) -> bytes:
-    payload = struct.pack(">HH", class_id, method_id) + args
-    return struct.pack(">BHI", 1, channel, len(payload)) + payload + b"\xce"
-
-
-def _amqp_read_method(sock: socket.socket) -> tuple[int, int, bytes]:
-    ftype, _channel, size = struct.unpack(">BHI", _recv_exact(sock, 7))
-    payload = _recv_exact(sock, size + 1)[:-1]
-    if ftype != 1:
-        raise ConnectionError(f"expected a method frame, got frame type {ftype}")
-    class_id, method_id = struct.unpack(">HH", payload[:4])
-    return class_id, method_id, payload[4:]
-
-
-def _shortstr(value: str) -> bytes:
-    raw = value.encode()
-    return struct.pack(">B", len(raw)) + raw
-
-
-def amqp_handshake(
-    host: str,
-    port: int,
-    user: str = "guest",
-    password: str = "guest",
-    vhost: str = "/",
-    timeout: float = 3.0,
-) -> dict[str, object]:
-    """Open and politely close an AMQP 0-9-1 connection (PLAIN auth); raise on any failure.
-
-    Start, Start-Ok, Tune, Tune-Ok, Open, Open-Ok, Close, Close-Ok: proves the server is
-    booted, accepts the credentials and serves the vhost, which a port check cannot.
-    Returns the server properties of Connection.Start (``product``, ``version`` ...).
-    """
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(b"AMQP\x00\x00\x09\x01")
-        cls, mth, args = _amqp_read_method(sock)
-        if (cls, mth) != (10, 10) or args[:2] != b"\x00\x09":
-            raise ConnectionError(f"not an AMQP 0-9-1 Connection.Start: {(cls, mth)}")
-        server_properties = _amqp_table(args, 2)[0]
-        response = b"\x00" + user.encode() + b"\x00" + password.encode()
-        # client-properties: {capabilities: {authentication_failure_close: true}} makes a
-        # refused login answer with Connection.Close at once instead of a silent delay
-        inner = _shortstr("authentication_failure_close") + b"t\x01"
-        caps = _shortstr("capabilities") + b"F" + struct.pack(">I", len(inner)) + inner
-        start_ok = (
-            struct.pack(">I", len(caps))
-            + caps
-            + _shortstr("PLAIN")
-            + struct.pack(">I", len(response))
-            + response
-            + _shortstr("en_US")
-        )
-        sock.sendall(_amqp_method(0, 10, 11, start_ok))
-        cls, mth, args = _amqp_read_method(sock)
-        if (cls, mth) != (10, 30):
-            raise ConnectionError(f"login refused for {user!r} (got method {(cls, mth)})")
-        channel_max, frame_max, _heartbeat = struct.unpack(">HIH", args[:8])
-        tune_ok = struct.pack(">HIH", channel_max, frame_max, 0)
-        sock.sendall(_amqp_method(0, 10, 31, tune_ok))
-        sock.sendall(_amqp_method(0, 10, 40, _shortstr(vhost) + _shortstr("") + b"\x00"))
-        cls, mth, _ = _amqp_read_method(sock)
-        if (cls, mth) != (10, 41):
-            raise ConnectionError(f"vhost {vhost!r} refused (got method {(cls, mth)})")
-        close = struct.pack(">H", 200) + _shortstr("probe done") + struct.pack(">HH", 0, 0)
-        sock.sendall(_amqp_method(0, 10, 50, close))
-        with contextlib.suppress(OSError):
-            _amqp_read_method(sock)  # Close-Ok; a missing one still proves readiness
-    return server_properties
-
-
-_AMQP_FIXED = {"t": ">B", "b": ">b", "B": ">B", "s": ">h", "u": ">H", "I": ">i", "i": ">I",
-               "l": ">q", "L": ">Q", "f": ">f", "d": ">d", "T": ">Q"}
-
-
-def _amqp_table(buf: bytes, pos: int) -> tuple[dict[str, object], int]:
-    """Decode an AMQP field table at *pos*; return it and the position after it."""
-    (size,) = struct.unpack_from(">I", buf, pos)
-    pos += 4
-    end, table = pos + size, {}
-    while pos < end:
-        klen = buf[pos]
-        key = buf[pos + 1 : pos + 1 + klen].decode(errors="replace")
-        pos += 1 + klen
-        kind = chr(buf[pos])
-        pos += 1
-        if kind == "S" or kind == "x":
-            (n,) = struct.unpack_from(">I", buf, pos)
-            table[key] = buf[pos + 4 : pos + 4 + n].decode(errors="replace")
-            pos += 4 + n
-        elif kind == "F":
-            table[key], pos = _amqp_table(buf, pos)
-        elif kind in _AMQP_FIXED:
-            fmt = _AMQP_FIXED[kind]
-            (table[key],) = struct.unpack_from(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-        elif kind == "V":
-            table[key] = None
-        else:  # arrays and decimals: not in a server's properties; stop decoding here
-            break
-    return table, end
-
-
-def amqp_ready(host: str = HOST, port: int = 5672, timeout: float = 3.0, **kw: str) -> bool:
-    """True when an AMQP server at host:port completes a full handshake with guest/guest."""
-    try:
-        amqp_handshake(host, port, timeout=timeout, **kw)
-    except (OSError, ValueError, struct.error):
-        return False
-    return True
-
-
-def _kafka_request(host: str, port: int, api_key: int, version: int, body: bytes,
-                   timeout: float) -> bytes:
-    """One Kafka request with a v1 request header; the response after its correlation id."""
-    correlation_id = secrets.randbits(31)
-    client_id = b"mqabstract-probe"
-    head = struct.pack(">hhih", api_key, version, correlation_id, len(client_id)) + client_id
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(struct.pack(">i", len(head) + len(body)) + head + body)
-        (size,) = struct.unpack(">i", _recv_exact(sock, 4))
-        if not 4 <= size <= 1 << 24:
-            raise ConnectionError(f"implausible Kafka response size {size}")
-        resp = _recv_exact(sock, size)
-    if struct.unpack(">i", resp[:4])[0] != correlation_id:
-        raise ConnectionError("Kafka response with a foreign correlation id")
-    return resp[4:]
-
-
-def kafka_api_versions(host: str, port: int, timeout: float = 3.0) -> dict[int, tuple[int, int]]:
-    """Send a Kafka ApiVersions v0 request; return ``{api_key: (min, max)}`` or raise."""
-    resp = _kafka_request(host, port, 18, 0, b"", timeout)
-    error, count = struct.unpack(">hi", resp[:6])
-    if error != 0 or count <= 0:
-        raise ConnectionError(f"bad ApiVersions response (error {error}, count {count})")
-    versions = {}
-    for i in range(count):
-        key, lo, hi = struct.unpack(">hhh", resp[6 + 6 * i : 12 + 6 * i])
-        versions[key] = (lo, hi)
-    return versions
-
-
-def kafka_brokers(host: str, port: int, timeout: float = 3.0) -> list[int]:
-    """Node ids of the brokers a Kafka node reports as registered (Metadata v1, no topics)."""
-    resp = _kafka_request(host, port, 3, 1, struct.pack(">i", 0), timeout)
-    (count,) = struct.unpack_from(">i", resp, 0)
-    pos, nodes = 4, []
-    for _ in range(count):
-        node_id, hlen = struct.unpack_from(">ih", resp, pos)
-        pos += 6 + hlen + 4  # host, port
-        (rlen,) = struct.unpack_from(">h", resp, pos)
-        pos += 2 + max(rlen, 0)  # nullable rack
-        nodes.append(node_id)
-    return sorted(nodes)
-
-
-def kafka_ready(host: str = HOST, port: int = 9092, timeout: float = 3.0) -> bool:
-    """True when host:port answers ApiVersions and supports Produce (0) and Fetch (1)."""
-    try:
-        versions = kafka_api_versions(host, port, timeout)
-    except (OSError, struct.error):
-        return False
-    return 0 in versions and 1 in versions
-
-
-def sqs_ready(host: str = HOST, port: int = 5055, timeout: float = 3.0) -> bool:
-    """True when host:port answers an SQS ``ListQueues`` call (moto, LocalStack, ...).
-
-    The Authorization header only names the service so moto routes to SQS; emulators
-    do not check the signature.
-    """
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request(
-            "POST",
-            "/",
-            body="Action=ListQueues&Version=2012-11-05",
-            headers={
-                "Content-Type": "application/x-www-form-urlencoded",
-                "Authorization": "AWS4-HMAC-SHA256 Credential=probe/20240101/us-east-1/sqs/"
-                "aws4_request, SignedHeaders=host, Signature=0",
-            },
-        )
-        resp = conn.getresponse()
-        return resp.status == 200 and b"ListQueues" in resp.read(65536)
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-PROBES = {"rabbitmq": amqp_ready, "kafka": kafka_ready, "sqs": sqs_ready, "tansu": kafka_ready}
-
-
-def ready(kind: str, port: int, host: str = HOST, timeout: float = 3.0) -> bool:
-    """Protocol-level readiness probe for a broker of *kind* at host:port."""
-    return PROBES[kind](host, port, timeout=timeout)
+__all__ = ["PROBES", "amqp_handshake", "amqp_ready", "kafka_api_versions", "kafka_brokers",
+           "kafka_ready", "new_cluster_id", "ready", "sqs_ready"]
 
 
 def port_open(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
@@ -890,17 +695,6 @@ class ApacheKafka(_Managed):
             return None
         found = re.findall(r"Kafka version: (\S+)", text)
         return found[-1] if found else None
-
-
-def new_cluster_id() -> str:
-    """A Kafka cluster id: 16 random bytes, url-safe base64 without padding (22 chars),
-    the format of ``kafka-storage random-uuid`` without starting a JVM for it. Like Kafka's
-    own, never one starting with "-": the storage tool's argument parser takes it for an
-    option (a CI run failed on "-dZL5…")."""
-    while True:
-        cid = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
-        if not cid.startswith("-"):
-            return cid
 
 
 PrivateKafka = ApacheKafka  # the Kafka that tests start and restart
