@@ -644,6 +644,29 @@ class _Done(Pending):
         return self.error
 
 
+#: Longest the group thread's poll yields to queued commits before it consumes anyway.
+STEP_ASIDE = 0.25
+
+
+class _Landing(Pending):
+    """A commit queued for the committer thread; ``land`` gives its outcome."""
+
+    __slots__ = ("error", "landed")
+
+    def __init__(self) -> None:
+        self.error: ClientError | None = None
+        self.landed = threading.Event()
+
+    def land(self, error: ClientError | None) -> None:
+        self.error = error
+        self.landed.set()
+
+    def wait(self, timeout: float) -> ClientError | None:
+        if not self.landed.wait(max(0.0, timeout)):
+            return ClientError(Kind.TIMEOUT, f"commit not confirmed within {timeout:.2f}s")
+        return self.error
+
+
 class _Member(_Reader, Member):
     """librdkafka keeps the membership in its own threads; ``consume`` on the group thread
     runs the rebalance callbacks.
@@ -652,8 +675,9 @@ class _Member(_Reader, Member):
     the group thread's ``consume`` returns, and a thread that calls ``consume`` back to back
     starves it. So ``poll`` never waits inside ``consume``: it takes what is there and then
     waits outside (5 ms while commits are being made, 50 ms when idle), stepping aside
-    while a commit waits (``gate``). Commits are synchronous calls made by the committing
-    thread (an asynchronous one's result would arrive in the group thread's ``consume``).
+    while a commit waits (``gate``). Commits are synchronous calls made by one committer
+    thread, in order (an asynchronous one's result would arrive in the group thread's
+    ``consume``); the committing caller waits on a Pending with its own time limit.
     Records of the retry topic and rebalance callbacks wait at most one such slice.
     """
 
@@ -664,6 +688,8 @@ class _Member(_Reader, Member):
         self.gate = threading.Condition()
         self.waiting = 0  # threads waiting to commit
         self.closed = False  # a closed librdkafka consumer must not be called (it crashes)
+        self.commits: collections.deque[tuple[Any, Any, _Landing]] = collections.deque()
+        self.committer: threading.Thread | None = None
         super().__init__(s, group, **{
             "session.timeout.ms": s.session_timeout_ms,
             "heartbeat.interval.ms": s.heartbeat_interval_ms,
@@ -698,9 +724,17 @@ class _Member(_Reader, Member):
             time.sleep(0.05)
 
     def poll(self, timeout: float, max_records: int) -> dict[TP, list[Fetched]]:
+        # Step aside while commits wait, but not for ever: the callbacks of a rejoin run
+        # only in this consume. After a broker outage every commit fails with
+        # UNKNOWN_MEMBER_ID and receives retry them back to back; waiting for a moment
+        # with no commit queued starved the rejoin, and the group never delivered again.
         with self.gate:
+            end = time.monotonic() + STEP_ASIDE
             while self.waiting:
-                self.gate.wait(0.05)
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self.gate.wait(min(0.05, left))
         try:
             msgs = self.c.consume(max_records, 0)
         except Exception as exc:
@@ -748,14 +782,52 @@ class _Member(_Reader, Member):
 
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
                done: Callable[[ClientError | None], None]) -> Pending:
+        """Queue the commit for the committer thread; its outcome comes as a Pending.
+
+        The binding's commit is synchronous and has no time limit of its own: made by the
+        caller, a broker that hangs (seen with ``docker pause``) held ``receive`` for as
+        long as it hung, whatever its timeout. One committer thread keeps the commits in
+        the order they were made; the caller waits on the Pending as long as it wants.
+        """
         self.busy_until = time.monotonic() + 2.0
         native = [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()]
-        failure: ClientError | None = None
+        pending = _Landing()
         with self.gate:
             if self.closed:
                 failure = ClientError(Kind.FENCED, "the group consumer is closed")
                 done(failure)
                 return _Done(failure)
+            self.waiting += 1
+            self.commits.append((native, done, pending))
+            if self.committer is None:
+                self.committer = threading.Thread(target=self._commit_loop, daemon=True,
+                                                  name=f"mq-kafka-commit-{self.topic}")
+                self.committer.start()
+            self.gate.notify_all()
+        return pending
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self.gate:
+                while not self.commits and not self.closed:
+                    self.gate.wait(1.0)
+                if not self.commits:
+                    return  # closed, and nothing left to send
+            native, done, pending = self.commits.popleft()
+            failure: ClientError | None = None
+            try:
+                for item in self.c.commit(offsets=native, asynchronous=False) or ():
+                    if item.error is not None:
+                        failure = _error(item.error, f"{item.topic}[{item.partition}]: ")
+                        break
+            except Exception as exc:
+                failure = classify(exc)
+            finally:
+                with self.gate:
+                    self.waiting -= 1
+                    self.gate.notify_all()
+            done(failure)
+            pending.land(failure)
             self.waiting += 1
         try:
             for item in self.c.commit(offsets=native, asynchronous=False) or ():
