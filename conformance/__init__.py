@@ -9,6 +9,9 @@ asyncio API through a sync-shaped wrapper). Scenarios are gated by the driver's 
 capabilities: a feature's tests run wherever it is not UNSUPPORTED (skipped with the
 reason otherwise), and the truthfulness scenarios check that every UNSUPPORTED feature
 raises ``Unsupported``. All names are unique per test, so a shared broker is fine.
+
+``--mq-container KIND`` (rabbitmq, kafka, sqs; extra ``containers``) starts a throwaway
+broker container for the run and adds its URL (``mqabstract.conformance.containers``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from .plugin import (
     mq_url,
     pytest_addoption,
     pytest_configure,
+    pytest_configure_node,
     pytest_generate_tests,
+    pytest_report_header,
+    pytest_unconfigure,
 )
 
 __all__ = [
@@ -30,5 +36,8 @@ __all__ = [
     "mq_url",
     "pytest_addoption",
     "pytest_configure",
+    "pytest_configure_node",
     "pytest_generate_tests",
+    "pytest_report_header",
+    "pytest_unconfigure",
 ]

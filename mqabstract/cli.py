@@ -358,10 +358,26 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
 # -- conformance --------------------------------------------------------------------------------
 def cmd_conformance(args: argparse.Namespace) -> int:
-    BrokerURL.parse(args.target)  # reject a malformed URL before starting pytest
-    cmd = [sys.executable, "-m", "pytest", "-p", "mqabstract.conformance",
-           "--mq-url", args.target, *args.pytest_args]
-    sys.stderr.write(f"mqa: running conformance suite against {redact(args.target)}\n")
+    pytest_args = list(args.pytest_args)
+    if args.target is not None and args.target.startswith("-"):  # `--container K -- -x`
+        args.target, pytest_args = None, [args.target, *pytest_args]
+    targets = [] if args.target is None else [args.target]
+    if not targets and not args.container:
+        raise InvalidArgument("give a broker URL or --container KIND")
+    for target in targets:
+        BrokerURL.parse(target)  # reject a malformed URL before starting pytest
+    cmd = [sys.executable, "-m", "pytest", "-p", "mqabstract.conformance"]
+    for target in targets:
+        cmd += ["--mq-url", target]
+    for kind in args.container:
+        cmd += ["--mq-container", kind]
+    if args.image:
+        if len(args.container) != 1:
+            raise InvalidArgument("--image needs exactly one --container KIND")
+        cmd += ["--mq-container-image", f"{args.container[0]}={args.image}"]
+    cmd += [a for a in pytest_args if a != "--"]
+    what = [redact(t) for t in targets] + [f"a {k} container" for k in args.container]
+    sys.stderr.write(f"mqa: running conformance suite against {', '.join(what)}\n")
     sys.stderr.flush()
     proc = subprocess.Popen(cmd)
     try:
@@ -689,8 +705,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="purge: confirm deleting all")
 
     p = add("conformance", cmd_conformance,
-            "run the conformance suite against URL (extra arguments go to pytest)")
-    p.add_argument("target", metavar="URL")
+            "run the conformance suite against URL and/or a throwaway broker container "
+            "(extra arguments go to pytest)")
+    p.add_argument("--container", action="append", default=[], metavar="KIND",
+                   choices=("rabbitmq", "kafka", "sqs"),
+                   help="start a KIND container for the run (rabbitmq, kafka, sqs; extra "
+                   "'containers'; repeatable)")
+    p.add_argument("--image", metavar="IMAGE",
+                   help="image for --container (default: $MQ_CONTAINER_<KIND>_IMAGE or the "
+                   "public image)")
+    p.add_argument("target", nargs="?", metavar="URL",
+                   help="broker URL; with --container only, pytest arguments follow `--`")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS")
 
     p = add("bench", cmd_bench, "throughput and latency percentiles of publish, receive+ack "

@@ -2,8 +2,9 @@
 
 :func:`resolve_url` tries, in order: the URL in ``MQ_TEST_<KIND>_URL``; a broker already
 answering at the local default address (protocol handshake, not a port check); a
-testcontainers container when a Docker engine answers. Otherwise it skips the test, or
-fails it when ``CI`` is set: in CI a missing broker is a broken pipeline, not a pass.
+container started like ``--mq-container KIND`` when a Docker engine answers. Otherwise it
+skips the test, or fails it when ``CI`` is set: in CI a missing broker is a broken
+pipeline, not a pass.
 """
 
 from __future__ import annotations
@@ -23,14 +24,6 @@ import brokerctl  # scripts/ is not a package: found via sys.path
 _cache: dict[str, str] = {}
 _failures: dict[str, str] = {}
 _containers: list[Any] = []
-
-# Images for the container fallback; override with MQ_TEST_<KIND>_IMAGE.
-IMAGES = {
-    "rabbitmq": "rabbitmq:3.13-alpine",
-    "kafka": "confluentinc/cp-kafka:7.6.1",
-    "sqs": "localstack/localstack:3.8",
-}
-
 
 def in_ci() -> bool:
     """True when running in CI (``CI=true``/``1``), where missing brokers must fail."""
@@ -78,58 +71,19 @@ def _find(kind: str) -> tuple[str | None, list[str]]:
     return None, tried
 
 
-def _docker_answers() -> str | None:
-    """None when a Docker engine answers a ping, else why not."""
-    try:
-        import docker  # type: ignore[import-not-found]  # installed with testcontainers
-
-        client = docker.from_env(timeout=5)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except Exception as exc:  # any failure means "no Docker here"
-        return f"no Docker engine: {type(exc).__name__}: {str(exc)[:120]}"
-    return None
-
-
 def _container(kind: str) -> tuple[str | None, str]:
-    """Start a session-lived container for *kind*; (url, "") or (None, why not)."""
+    """Start a session-lived container for *kind* (the conformance plugin's launcher);
+    (url, "") or (None, why not)."""
     if os.environ.get("MQ_TEST_NO_CONTAINERS"):
         return None, "disabled by MQ_TEST_NO_CONTAINERS"
-    no_docker = _docker_answers()
-    if no_docker:
-        return None, no_docker
-    image = os.environ.get(f"MQ_TEST_{kind.upper()}_IMAGE") or IMAGES[kind]
+    from mqabstract.conformance import containers
+
     try:
-        if kind == "rabbitmq":
-            from testcontainers.rabbitmq import RabbitMqContainer
-
-            box = RabbitMqContainer(image)
-            _keep(box)  # kept before start() so a half-started one is stopped too
-            box.start()
-            host, port = box.get_container_host_ip(), box.get_exposed_port(5672)
-            url = brokerctl.broker_url("rabbitmq", int(port), host)
-        elif kind == "kafka":
-            from testcontainers.kafka import KafkaContainer
-
-            box = KafkaContainer(image)
-            _keep(box)
-            box.start()
-            url = f"kafka://{box.get_bootstrap_server()}"
-        else:
-            from testcontainers.localstack import LocalStackContainer
-
-            box = LocalStackContainer(image)
-            _keep(box)
-            box.start()
-            region = getattr(box, "region_name", None) or "us-east-1"
-            url = f"sqs://?region={region}&endpoint_url={box.get_url()}"
-            os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
-            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-    except Exception as exc:  # any container failure: report it, move on
-        return None, f"{image}: {type(exc).__name__}: {str(exc)[:160]}"
-    return url, ""
+        box = containers.start(kind)
+    except containers.ContainerError as exc:
+        return None, str(exc)
+    _keep(box)
+    return box.url, ""
 
 
 def _keep(container: Any) -> None:
