@@ -351,15 +351,27 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
 
 
 def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: float,
-          want: set[str] | None = None) -> None:
-    """Receive and ack until ``want`` is finished and nothing came for ``quiet`` seconds."""
+          want: set[str] | None = None, errors: list[str] | None = None) -> None:
+    """Receive and ack until ``want`` is finished and nothing came for ``quiet`` seconds.
+
+    With *errors*, a retryable MQError of receive (a broker coming back) is recorded there
+    and retried; any other error propagates.
+    """
     deadline = time.monotonic() + limit
     last = time.monotonic()
     while time.monotonic() < deadline:
         done = want is None or want <= ledger.acked | set(ledger.dead)
         if done and time.monotonic() - last >= quiet:
             return
-        for msg in sub.receive(20, 0.5):
+        try:
+            got = sub.receive(20, 0.5)
+        except mqabstract.MQError as exc:
+            if errors is None or not exc.retryable:
+                raise
+            errors.append(type(exc).__name__)
+            time.sleep(0.3)
+            continue
+        for msg in got:
             last = time.monotonic()
             ledger.deliver(msg.id, msg.attempt, digest(msg.body))
             try:
@@ -367,6 +379,41 @@ def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: flo
             except mqabstract.LeaseExpired:  # a slow broker: it comes back, attempt + 1
                 continue
             ledger.ack(msg.id)
+
+
+class Publisher(threading.Thread):
+    """Publishes one message at a time, retrying a failed publish with the same id (the
+    documented recovery), and records which publishes returned and which errors it saw."""
+
+    def __init__(self, mq: mqabstract.Broker, topic: str, prefix: str) -> None:
+        super().__init__(daemon=True)
+        self.mq, self.topic, self.prefix = mq, topic, prefix
+        self.stop = threading.Event()
+        self.confirmed: list[tuple[str, float]] = []  # (id, monotonic time it returned)
+        self.errors: list[str] = []
+        self.untyped: list[str] = []
+        self.retried: set[str] = set()
+        self.last_error = ""
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            mid = f"{self.prefix}-{n}"
+            try:
+                self.mq.publish(self.topic, body_for(mid), id=mid)
+            except mqabstract.MQError as exc:
+                self.errors.append(type(exc).__name__)
+                self.last_error = str(exc)[:300]
+                self.retried.add(mid)
+                self.stop.wait(0.2)
+                continue  # same id again
+            except Exception as exc:  # a raw client exception leaked: a bug
+                self.untyped.append(f"{type(exc).__name__}: {exc}")
+                self.stop.wait(0.2)
+                continue
+            self.confirmed.append((mid, time.monotonic()))
+            n += 1
+            self.stop.wait(0.05)
 
 
 def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger) -> None:

@@ -17,7 +17,6 @@ What can be asserted depends on the broker's storage:
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,18 @@ import pytest
 import mqabstract
 from tests.brokers import in_ci
 
-from .support import LEASE, Ledger, Reporter, body_for, digest, spare_port, token, with_client
+from .support import (
+    LEASE,
+    Ledger,
+    Publisher,
+    Reporter,
+    body_for,
+    digest,
+    drain,
+    spare_port,
+    token,
+    with_client,
+)
 from .support import kind as support_kind
 
 
@@ -61,65 +71,6 @@ def private(backend: str, tmp_path: Path) -> Iterator[Any]:
         yield broker
     finally:
         broker.stop()
-
-
-class _Publisher(threading.Thread):
-    """Publishes one message at a time, retrying a failed publish with the same id (the
-    documented recovery), and records which publishes returned and which errors it saw."""
-
-    def __init__(self, mq: mqabstract.Broker, topic: str, prefix: str) -> None:
-        super().__init__(daemon=True)
-        self.mq, self.topic, self.prefix = mq, topic, prefix
-        self.stop = threading.Event()
-        self.confirmed: list[tuple[str, float]] = []  # (id, monotonic time it returned)
-        self.errors: list[str] = []
-        self.untyped: list[str] = []
-        self.retried: set[str] = set()
-        self.last_error = ""
-
-    def run(self) -> None:
-        n = 0
-        while not self.stop.is_set():
-            mid = f"{self.prefix}-{n}"
-            try:
-                self.mq.publish(self.topic, body_for(mid), id=mid)
-            except mqabstract.MQError as exc:
-                self.errors.append(type(exc).__name__)
-                self.last_error = str(exc)[:300]
-                self.retried.add(mid)
-                self.stop.wait(0.2)
-                continue  # same id again
-            except Exception as exc:  # a raw client exception leaked: a bug
-                self.untyped.append(f"{type(exc).__name__}: {exc}")
-                self.stop.wait(0.2)
-                continue
-            self.confirmed.append((mid, time.monotonic()))
-            n += 1
-            self.stop.wait(0.05)
-
-
-def _receive_all(sub: mqabstract.Subscription, ledger: Ledger, want: set[str], limit: float,
-                 quiet: float, errors: list[str]) -> None:
-    """Receive and ack until ``want`` is acked and ``quiet`` seconds passed with nothing."""
-    deadline = time.monotonic() + limit
-    last = time.monotonic()
-    while time.monotonic() < deadline:
-        if want <= ledger.acked and time.monotonic() - last >= quiet:
-            return
-        try:
-            msgs = sub.receive(50, 0.5)
-            for msg in msgs:
-                ledger.deliver(msg.id, msg.attempt, digest(msg.body))
-                msg.ack()
-                ledger.ack(msg.id)
-        except mqabstract.MQError as exc:
-            errors.append(type(exc).__name__)
-            if not exc.retryable:
-                raise
-            time.sleep(0.3)
-            continue
-        if msgs:
-            last = time.monotonic()
 
 
 def _fresh_client_works(url: str, tok: str) -> str:
@@ -167,7 +118,7 @@ def test_broker_restart(private: Any, backend: str, reporter: Reporter) -> None:
             if n % 2 == 0:
                 msg.ack()
                 ledger.ack(msg.id)
-        pub = _Publisher(mq, topic, f"{tok}-b")
+        pub = Publisher(mq, topic, f"{tok}-b")
         pub.start()
         time.sleep(0.5)
         restarted_at = time.monotonic()
@@ -206,7 +157,7 @@ def test_broker_restart(private: Any, backend: str, reporter: Reporter) -> None:
                 ledger.maybe[mid] = ledger.expected.pop(mid)
         receive_error = ""
         try:
-            _receive_all(sub, ledger, set(ledger.expected), 90, 2.0 + LEASE, errors)
+            drain(sub, ledger, 2.0 + LEASE, 90, set(ledger.expected), errors=errors)
         except mqabstract.MQError as exc:
             receive_error = f"{type(exc).__name__}: {exc}"
         for msg in held:  # stale receipts after the restart: ignored or a typed error
