@@ -828,20 +828,6 @@ class _Member(_Reader, Member):
                     self.gate.notify_all()
             done(failure)
             pending.land(failure)
-            self.waiting += 1
-        try:
-            for item in self.c.commit(offsets=native, asynchronous=False) or ():
-                if item.error is not None:
-                    failure = _error(item.error, f"{item.topic}[{item.partition}]: ")
-                    break
-        except Exception as exc:
-            failure = classify(exc)
-        finally:
-            with self.gate:
-                self.waiting -= 1
-                self.gate.notify_all()
-        done(failure)
-        return _Done(failure)
 
     def close(self) -> None:
         with self.gate:
