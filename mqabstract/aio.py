@@ -37,7 +37,15 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from . import connect as _connect_sync
-from .broker import Backoff, Broker, ConsumeStats, Message, Subscription, _check_seconds
+from .broker import (
+    Backoff,
+    Broker,
+    ConsumeStats,
+    Message,
+    Subscription,
+    _check_count,
+    _check_seconds,
+)
 from .capabilities import Capabilities
 from .errors import InvalidArgument, MQError
 from .model import DeadLetter, GroupSpec, GroupStats
@@ -88,8 +96,7 @@ class _Runner:
 async def connect(url: str | None = None, *, io_threads: int = IO_THREADS,
                   **options: Any) -> AsyncBroker:
     """``mqabstract.connect`` for asyncio: the same URL rules and options."""
-    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-        raise InvalidArgument(f"io_threads must be an int ≥ 1, got {io_threads!r}")
+    _check_count(io_threads, "io_threads")
     run = _Runner(io_threads)
     try:
         broker = await run(_connect_sync, url, **options)
@@ -171,8 +178,7 @@ class AsyncSubscription:
         pending slice returns."""
         sub = self.subscription
         sub._check_open()
-        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
-            raise InvalidArgument(f"max_messages must be an int ≥ 1, got {max_messages!r}")
+        _check_count(max_messages, "max_messages")
         deadline = time.monotonic() + _check_seconds(wait, "wait", math.inf)
         while True:
             left = max(0.0, deadline - time.monotonic())
@@ -215,10 +221,9 @@ class AsyncSubscription:
         if not inspect.iscoroutinefunction(handler) and not inspect.iscoroutinefunction(
                 getattr(handler, "__call__", None)):  # noqa: B004 - callable objects too
             raise InvalidArgument("the asyncio consume takes a coroutine function (async def)")
-        for name, value in (("batch", batch), ("max_messages", max_messages)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise InvalidArgument(f"{name} must be an int ≥ 1, got {value!r}")
+        _check_count(batch, "batch")
+        if max_messages is not None:
+            _check_count(max_messages, "max_messages")
         if idle_timeout is not None:
             _check_seconds(idle_timeout, "idle_timeout", math.inf)
         backoff = backoff or Backoff()

@@ -192,6 +192,12 @@ class _Guard:
         raise _translate(exc, self.backend) from exc
 
 
+def _check_count(value: object, what: str) -> None:
+    """A count argument (max_messages, batch, limit ...) must be an int ≥ 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{what} must be an int ≥ 1, got {value!r}")
+
+
 def _check_seconds(value: object, what: str, maximum: float, allow_zero: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{what} must be a number of seconds, not {type(value).__name__}")
@@ -397,8 +403,7 @@ class Subscription:
         delivered ``max_attempts`` times are moved to the dead-letter store, not returned.
         """
         self._check_open()
-        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
-            raise InvalidArgument(f"max_messages must be an int ≥ 1, got {max_messages!r}")
+        _check_count(max_messages, "max_messages")
         wait = _check_seconds(wait, "wait", math.inf)
         caps = self._broker.capabilities
         deadline = time.monotonic() + wait
@@ -554,6 +559,9 @@ class Subscription:
         ``stop`` is set, or when ``Subscription.stop()`` is called. Retryable broker errors
         (a dropped connection) are retried with backoff; others propagate.
         """
+        _check_count(batch, "batch")
+        if max_messages is not None:
+            _check_count(max_messages, "max_messages")
         backoff = backoff or Backoff()
         stats = ConsumeStats()
         last_message = time.monotonic()
@@ -1130,8 +1138,7 @@ class Broker:
     def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
         """List up to ``limit`` dead letters of ``group``, oldest first."""
         self._require(Feature.DEAD_LETTER)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidArgument(f"limit must be an int ≥ 1, got {limit!r}")
+        _check_count(limit, "limit")
         return self._group_call(self._driver.dead_letters, group, limit)  # type: ignore[no-any-return]
 
     def replay_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:

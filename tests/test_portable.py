@@ -493,3 +493,14 @@ def test_driver_mqerrors_keep_their_native_cause() -> None:
     ):
         mq.publish("t", b"x")
     assert isinstance(info.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize("bad", [{"batch": 0}, {"batch": True}, {"max_messages": 0},
+                                 {"max_messages": 2.5}])
+def test_consume_rejects_bad_counts_before_receiving(mq: mqabstract.Broker,
+                                                     bad: dict[str, object]) -> None:
+    sub = mq.subscribe("g", "#")
+    mid = mq.publish("t", b"x")
+    with pytest.raises(mqabstract.InvalidArgument):
+        sub.consume(lambda m: None, idle_timeout=0.1, **bad)  # type: ignore[arg-type]
+    assert [m.id for m in sub.receive(1)] == [mid]  # nothing was taken
