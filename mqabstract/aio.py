@@ -45,6 +45,7 @@ from .broker import (
     Subscription,
     _check_count,
     _check_seconds,
+    _ConsumeLoop,
 )
 from .capabilities import Capabilities
 from .errors import InvalidArgument, MQError
@@ -221,44 +222,27 @@ class AsyncSubscription:
         if not inspect.iscoroutinefunction(handler) and not inspect.iscoroutinefunction(
                 getattr(handler, "__call__", None)):  # noqa: B004 - callable objects too
             raise InvalidArgument("the asyncio consume takes a coroutine function (async def)")
-        _check_count(batch, "batch")
-        if max_messages is not None:
-            _check_count(max_messages, "max_messages")
-        if idle_timeout is not None:
-            _check_seconds(idle_timeout, "idle_timeout", math.inf)
-        backoff = backoff or Backoff()
-        stats = ConsumeStats()
-        last = time.monotonic()
+        loop = _ConsumeLoop(max_messages, idle_timeout, batch, wait, backoff)
         self._stop.clear()
         sub = self.subscription
         while not self._stop.is_set() and not sub.closed:
-            if max_messages is not None and stats.received >= max_messages:
+            step = loop.next()
+            if step is None:
                 break
-            want = batch if max_messages is None else min(batch, max_messages - stats.received)
-            poll = wait
-            if idle_timeout is not None:
-                left = idle_timeout - (time.monotonic() - last)
-                if left <= 0:
-                    break
-                poll = min(wait, left)
             try:
-                messages = await self.receive(want, poll)
+                messages = await self.receive(*step)
             except MQError as exc:
-                if not exc.retryable or sub.closed:
-                    raise
-                await asyncio.sleep(backoff.delay(1))
+                await asyncio.sleep(loop.failed(exc, sub.closed))
                 continue
-            if messages:
-                last = time.monotonic()
+            loop.got(messages)
             for msg in messages:
-                stats.received += 1
                 try:
                     await handler(msg)
                 except Exception as exc:
-                    await self._run(sub._outcome, msg.message, exc, stats, backoff)
+                    await self._run(sub._outcome, msg.message, exc, loop.stats, loop.backoff)
                     continue
-                await self._run(sub._outcome, msg.message, None, stats, backoff)
-        return stats
+                await self._run(sub._outcome, msg.message, None, loop.stats, loop.backoff)
+        return loop.stats
 
     def stop(self) -> None:
         """Make a running ``consume`` or ``async for`` return after its current message."""

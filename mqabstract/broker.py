@@ -192,6 +192,55 @@ class _Guard:
         raise _translate(exc, self.backend) from exc
 
 
+class _ConsumeLoop:
+    """The bookkeeping of a consume loop, shared by the sync and the asyncio ``consume``:
+    how many messages to ask for and how long to wait next, when the loop is done, and how
+    long to back off after a retryable broker error (growing with consecutive failures).
+    The loops themselves only call receive and the handler, each in its own way."""
+
+    def __init__(self, max_messages: int | None, idle_timeout: float | None, batch: int,
+                 wait: float, backoff: Backoff | None) -> None:
+        _check_count(batch, "batch")
+        if max_messages is not None:
+            _check_count(max_messages, "max_messages")
+        if idle_timeout is not None:
+            _check_seconds(idle_timeout, "idle_timeout", math.inf)
+        self.max_messages, self.idle_timeout = max_messages, idle_timeout
+        self.batch, self.wait = batch, _check_seconds(wait, "wait", math.inf)
+        self.backoff = backoff or Backoff()
+        self.stats = ConsumeStats()
+        self.last_message = time.monotonic()
+        self.failures = 0
+
+    def next(self) -> tuple[int, float] | None:
+        """(max_messages, wait) for the next receive; None when the loop should end."""
+        done = self.stats.received
+        if self.max_messages is not None and done >= self.max_messages:
+            return None
+        want = self.batch if self.max_messages is None else min(self.batch,
+                                                                self.max_messages - done)
+        if self.idle_timeout is None:
+            return want, self.wait
+        left = self.idle_timeout - (time.monotonic() - self.last_message)
+        return None if left <= 0 else (want, min(self.wait, left))
+
+    def got(self, messages: Sequence[object]) -> None:
+        """A receive returned: count the messages about to be handled."""
+        self.failures = 0
+        if messages:
+            self.last_message = time.monotonic()
+            self.stats.received += len(messages)
+
+    def failed(self, exc: MQError, closed: bool) -> float:
+        """A receive raised: re-raise unless retryable; else the seconds to pause."""
+        if not exc.retryable or closed:
+            raise exc
+        self.failures += 1
+        pause = self.backoff.delay(self.failures)
+        log.warning("consume: %s; retrying in %.1fs", exc, pause)
+        return pause
+
+
 def _check_count(value: object, what: str) -> None:
     """A count argument (max_messages, batch, limit ...) must be an int ≥ 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -559,51 +608,27 @@ class Subscription:
         ``stop`` is set, or when ``Subscription.stop()`` is called. Retryable broker errors
         (a dropped connection) are retried with backoff; others propagate.
         """
-        _check_count(batch, "batch")
-        if max_messages is not None:
-            _check_count(max_messages, "max_messages")
-        backoff = backoff or Backoff()
-        stats = ConsumeStats()
-        last_message = time.monotonic()
-        failures = 0
+        loop = _ConsumeLoop(max_messages, idle_timeout, batch, wait, backoff)
         self._stop.clear()
-
-        def stopping() -> bool:
-            return self._stop.is_set() or (stop is not None and stop.is_set())
-
-        while not stopping():
-            if max_messages is not None and stats.received >= max_messages:
+        while not (self._stop.is_set() or (stop is not None and stop.is_set())):
+            step = loop.next()
+            if step is None:
                 break
-            want = batch if max_messages is None else min(batch, max_messages - stats.received)
-            poll = wait
-            if idle_timeout is not None:
-                left = idle_timeout - (time.monotonic() - last_message)
-                if left <= 0:
-                    break
-                poll = min(wait, left)
             try:
-                messages = self.receive(want, poll)
-                failures = 0
+                messages = self.receive(*step)
             except MQError as exc:
-                if not exc.retryable or self._closed:
-                    raise
-                failures += 1
-                pause = backoff.delay(failures)
-                log.warning("consume: %s; retrying in %.1fs", exc, pause)
-                if (stop or self._stop).wait(pause):
+                if (stop or self._stop).wait(loop.failed(exc, self._closed)):
                     break
                 continue
-            if messages:
-                last_message = time.monotonic()
+            loop.got(messages)
             for msg in messages:
-                stats.received += 1
                 try:
                     handler(msg)
                 except Exception as exc:
-                    self._outcome(msg, exc, stats, backoff)
+                    self._outcome(msg, exc, loop.stats, loop.backoff)
                     continue
-                self._outcome(msg, None, stats, backoff)
-        return stats
+                self._outcome(msg, None, loop.stats, loop.backoff)
+        return loop.stats
 
     def _outcome(self, msg: Message, exc: Exception | None, stats: ConsumeStats,
                  backoff: Backoff) -> None:
