@@ -38,16 +38,17 @@ from tests.brokers import in_ci
 from .support import (
     LEASE,
     Ledger,
+    Publisher,
     Reporter,
     body_for,
     cleanup,
     digest,
+    drain,
     freeze_a_holder,
     spare_port,
     token,
     with_client,
 )
-from .test_broker_restart import _Publisher, _receive_all
 
 pytestmark = pytest.mark.backends("kafka")
 
@@ -350,14 +351,14 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
     with mqabstract.connect(url) as mq:
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
         sub = mq.subscribe(group, pattern, lease=LEASE, max_attempts=50)
-        pub = _Publisher(mq, topic, f"{tok}-p")
+        pub = Publisher(mq, topic, f"{tok}-p")
         receive_error = ""
         try:
             before = mq.publish_batch([mqabstract.OutgoingMessage(
                 topic, body_for(f"{tok}-a{i}"), id=f"{tok}-a{i}") for i in range(50)])
             for mid in before:
                 ledger.confirm(mid, body_for(mid))
-            _receive_all(sub, ledger, set(before[:20]), 30, 0.0, errors)
+            drain(sub, ledger, 0.0, 30, set(before[:20]), errors=errors)
             pub.start()
             time.sleep(1.0)
             stopped_at = time.monotonic()
@@ -376,7 +377,7 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
             for mid in pub.retried - set(ledger.expected):
                 ledger.maybe[mid] = digest(body_for(mid))
             try:
-                _receive_all(sub, ledger, set(ledger.expected), 120, 4.0 + LEASE, errors)
+                drain(sub, ledger, 4.0 + LEASE, 120, set(ledger.expected), errors=errors)
             except mqabstract.MQError as exc:
                 receive_error = f"{type(exc).__name__}: {exc}"
         finally:
