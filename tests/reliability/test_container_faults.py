@@ -121,7 +121,7 @@ def test_container_fault(box: Any, backend: str, fault: str, reporter: Reporter)
     summary = ledger.summary()
     problems = ledger.problems()
     recovered = sum(1 for _, t in pub.confirmed if t > back_at)
-    reporter.emit(scenario=f"container {fault}", backend=backend, kills=0, **summary,
+    reporter.emit(scenario=f"container {fault}", backend=backend, kills=1, **summary,
                   problems=len(problems), outage_s=OUTAGE,
                   errors_seen=sorted(set(errors + pub.errors)),
                   confirmed_during=len(during), confirmed_after=recovered,
