@@ -219,8 +219,13 @@ def base_image(host: str) -> str:
     return tag
 
 
+#: Files from elsewhere in the repository that an image's context also carries.
+EXTRA_FILES = {"sqs": [brokerctl.REPO / "scripts" / "moto_server.py"]}
+
+
 def _context_files(kind: str) -> list[Path]:
-    return sorted(p for p in (IMAGES_DIR / kind).rglob("*") if p.is_file())
+    own = sorted(p for p in (IMAGES_DIR / kind).rglob("*") if p.is_file())
+    return own + EXTRA_FILES.get(kind, [])
 
 
 def _build_args(kind: str, python: str | None) -> dict[str, str]:
