@@ -416,6 +416,36 @@ class Publisher(threading.Thread):
             self.stop.wait(0.05)
 
 
+def hold_some(mq: mqabstract.Broker, sub: mqabstract.Subscription, topic: str, tok: str,
+              ledger: Ledger) -> list[mqabstract.Message]:
+    """Publish 20 messages (``<tok>-a<i>``), receive 6 and ack every other one: the
+    consumer then holds 3 unacked leases across the fault that follows."""
+    before = mq.publish_batch([mqabstract.OutgoingMessage(topic, body_for(f"{tok}-a{i}"),
+                                                          id=f"{tok}-a{i}")
+                               for i in range(20)])
+    for mid in before:
+        ledger.confirm(mid, body_for(mid))
+    held: list[mqabstract.Message] = []
+    deadline = time.monotonic() + 30
+    while len(held) < 6 and time.monotonic() < deadline:
+        held += sub.receive(6 - len(held), 1.0)
+    for n, msg in enumerate(held):
+        ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+        if n % 2 == 0:
+            msg.ack()
+            ledger.ack(msg.id)
+    return held
+
+
+def ack_stale(held: list[mqabstract.Message], errors: list[str]) -> None:
+    """Ack receipts taken before a fault: accepted, or a typed error (recorded)."""
+    for msg in held:
+        try:
+            msg.ack()
+        except mqabstract.MQError as exc:
+            errors.append(type(exc).__name__)
+
+
 def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger) -> None:
     """Record the group's dead letters (id → attempts) in the ledger."""
     if not broker.capabilities.supports(mqabstract.Feature.DEAD_LETTER):

@@ -27,9 +27,10 @@ from .support import (
     Ledger,
     Publisher,
     Reporter,
+    ack_stale,
     body_for,
-    digest,
     drain,
+    hold_some,
     token,
     with_client,
 )
@@ -67,20 +68,7 @@ def test_container_fault(box: Any, backend: str, fault: str, reporter: Reporter)
     start, end = (box.pause, box.unpause) if fault == "pause" else (box.cut, box.restore)
     with mqabstract.connect(box.client_url) as mq:
         sub = mq.subscribe(group, pattern, lease=LEASE, max_attempts=20)
-        before = mq.publish_batch([mqabstract.OutgoingMessage(topic, body_for(f"{tok}-a{i}"),
-                                                              id=f"{tok}-a{i}")
-                                   for i in range(20)])
-        for mid in before:
-            ledger.confirm(mid, body_for(mid))
-        held: list[mqabstract.Message] = []
-        deadline = time.monotonic() + 30
-        while len(held) < 6 and time.monotonic() < deadline:
-            held += sub.receive(6 - len(held), 1.0)
-        for n, msg in enumerate(held):
-            ledger.deliver(msg.id, msg.attempt, digest(msg.body))
-            if n % 2 == 0:
-                msg.ack()
-                ledger.ack(msg.id)
+        held = hold_some(mq, sub, topic, tok, ledger)
         pub = Publisher(mq, topic, f"{tok}-b")
         pub.start()
         time.sleep(0.5)
@@ -108,11 +96,7 @@ def test_container_fault(box: Any, backend: str, fault: str, reporter: Reporter)
             drain(sub, ledger, 2.0 + LEASE, 120, set(ledger.expected), errors=errors)
         except mqabstract.MQError as exc:
             receive_error = f"{type(exc).__name__}: {exc}"
-        for msg in held:  # receipts from before the fault: accepted, or a typed error
-            try:
-                msg.ack()
-            except mqabstract.MQError as exc:
-                errors.append(type(exc).__name__)
+        ack_stale(held, errors)
         with contextlib.suppress(mqabstract.MQError):
             mq.delete_group(group)
     # Nothing can be confirmed by a broker that is frozen or unreachable (one second of
