@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
-import inspect
+import logging
 import math
 import time
 from collections.abc import (
@@ -37,21 +38,24 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from . import connect as _connect_sync
-from .broker import (
-    Backoff,
-    Broker,
-    ConsumeStats,
-    Message,
-    Subscription,
-    _check_count,
-    _check_seconds,
-    _ConsumeLoop,
-)
+from .broker import Broker, Message, Subscription
 from .capabilities import Capabilities
+from .checks import check_count as _check_count
+from .checks import check_seconds as _check_seconds
+from .consuming import (
+    STOP_SIGNALS,
+    Backoff,
+    ConsumeLoop,
+    ConsumeStats,
+    check_handler,
+    renew,
+)
 from .errors import InvalidArgument, MQError
 from .model import DeadLetter, GroupSpec, GroupStats
 
 __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
+
+log = logging.getLogger("mqabstract")
 
 T = TypeVar("T")
 
@@ -215,34 +219,25 @@ class AsyncSubscription:
         batch: int = 10,
         wait: float = 1.0,
         backoff: Backoff | None = None,
+        concurrency: int = 1,
+        auto_extend: bool | None = None,
+        grace: float = 30.0,
+        signals: bool = False,
     ) -> ConsumeStats:
-        """The sync ``consume`` with a coroutine handler: ack on return, nack with backoff
-        when it raises, dead-letter on the final attempt (the same settle rules, shared);
-        ends after ``max_messages``, ``idle_timeout`` without messages, or ``stop()``."""
-        if not inspect.iscoroutinefunction(handler) and not inspect.iscoroutinefunction(
-                getattr(handler, "__call__", None)):  # noqa: B004 - callable objects too
-            raise InvalidArgument("the asyncio consume takes a coroutine function (async def)")
-        loop = _ConsumeLoop(max_messages, idle_timeout, batch, wait, backoff)
+        """The sync ``consume`` with a coroutine handler, ``concurrency`` of them as tasks:
+        the same settle rules, per-key order, ``auto_extend``, typed payloads and stop
+        (``stop()``, or SIGTERM/SIGINT on this event loop with ``signals=True``: no more
+        messages, ``grace`` seconds for running handlers, then they are cancelled and
+        their messages handed back)."""
+        check_handler(handler, coroutine=True)
+        loop = ConsumeLoop(self.subscription, max_messages=max_messages,
+                           idle_timeout=idle_timeout, batch=batch, wait=wait, backoff=backoff,
+                           concurrency=concurrency, auto_extend=auto_extend, grace=grace)
+        if not isinstance(signals, bool):
+            raise InvalidArgument(f"signals must be a bool, got {signals!r}")
+        self.subscription._check_open()
         self._stop.clear()
-        sub = self.subscription
-        while not self._stop.is_set() and not sub.closed:
-            step = loop.next()
-            if step is None:
-                break
-            try:
-                messages = await self.receive(*step)
-            except MQError as exc:
-                await asyncio.sleep(loop.failed(exc, sub.closed))
-                continue
-            loop.got(messages)
-            for msg in messages:
-                try:
-                    await handler(msg)
-                except Exception as exc:
-                    await self._run(sub._outcome, msg.message, exc, loop.stats, loop.backoff)
-                    continue
-                await self._run(sub._outcome, msg.message, None, loop.stats, loop.backoff)
-        return loop.stats
+        return await _TaskConsume(self, handler, loop).run(signals)
 
     def stop(self) -> None:
         """Make a running ``consume`` or ``async for`` return after its current message."""
@@ -267,6 +262,148 @@ def _hand_back(sub: Subscription, future: concurrent.futures.Future[list[Message
     """A cancelled receive's slice came back with messages nobody will see: release them."""
     if not future.cancelled() and future.exception() is None:
         sub._release(future.result())
+
+
+class _TaskConsume:
+    """The asyncio ``consume``: receives in this task, runs each handler as a task of its
+    own, renews leases in another; the bookkeeping is ``consuming.ConsumeLoop``'s."""
+
+    def __init__(self, asub: AsyncSubscription, handler: Callable[[AsyncMessage],
+                 Awaitable[object]], loop: ConsumeLoop) -> None:
+        self.asub, self.sub, self.handler, self.loop = asub, asub.subscription, handler, loop
+        self.flight = loop.flight
+        self.run_io = asub._run
+        self.changed = asyncio.Event()  # a handler finished (room, or grace may be over)
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def stopping(self) -> bool:
+        return self.asub._stop.is_set() or self.sub.closed
+
+    async def _changes(self, timeout: float = 0.1) -> None:
+        """Until a handler finishes (or ``timeout``: the stop flag is polled)."""
+        self.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)
+
+    async def run(self, signals: bool) -> ConsumeStats:
+        events = asyncio.get_running_loop()
+        installed = []
+        renewer = None
+        try:
+            if signals:
+                for sig in STOP_SIGNALS:
+                    try:
+                        events.add_signal_handler(sig, self.asub.stop)
+                    except (NotImplementedError, RuntimeError) as exc:
+                        raise InvalidArgument(f"signals=True: {exc}") from None
+                    installed.append(sig)
+            if self.loop.extend_by is not None:
+                renewer = asyncio.create_task(self._renew())
+            await self._feed()
+            while self.flight.held and not self.stopping():  # ended by itself: finish all
+                await self._changes()
+        finally:
+            await self._wind_down()
+            if renewer is not None:
+                renewer.cancel()
+            for sig in installed:
+                events.remove_signal_handler(sig)
+        return self.loop.stats
+
+    async def _feed(self) -> None:
+        loop, asub = self.loop, self.asub
+        while not self.stopping():
+            if self.flight.room() <= 0:
+                await self._changes()
+                continue
+            step = loop.next()
+            if step is None:
+                return
+            receiving = asyncio.ensure_future(asub.receive(*step))
+            stopped = asyncio.ensure_future(asub._stop.wait())
+            await asyncio.wait((receiving, stopped), return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not receiving.done():  # stopped while waiting: cancelling hands back
+                receiving.cancel()
+                with contextlib.suppress(asyncio.CancelledError, MQError):
+                    await receiving
+                return
+            try:
+                got = receiving.result()
+            except MQError as exc:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asub._stop.wait(), loop.failed(exc, self.sub.closed))
+                continue
+            loop.got([m.message for m in got])
+            self._start()
+
+    def _start(self) -> None:
+        if self.stopping():
+            return
+        for msg in self.flight.take():
+            self.tasks[id(msg)] = asyncio.create_task(self._handle(msg))
+
+    async def _handle(self, msg: Message) -> None:
+        names: Sequence[str] = ()
+        try:
+            invalid = self.sub._invalid(msg)
+            if invalid is not None:
+                names = await self.run_io(self.sub._reject, msg, invalid)
+                return
+            exc: Exception | None = None
+            try:
+                await self.handler(AsyncMessage(msg, self.asub))
+            except Exception as raised:
+                exc = raised
+            if not self.flight.settle(msg):
+                return
+            names = await self.run_io(self.sub._outcome, msg, exc, self.loop.backoff)
+        except MQError as exc:  # the broker refused the settle: the lease brings it back
+            log.warning("consume: settling %s failed: %s", msg.id, exc)
+        finally:
+            self.loop.count(names)
+            self.flight.finish(msg)
+            self.tasks.pop(id(msg), None)
+            self.changed.set()
+            self._start()
+
+    async def _wind_down(self) -> None:
+        flight, loop = self.flight, self.loop
+        await self._hand_back(flight.drop_waiting(), "not started")
+        end = time.monotonic() + loop.grace
+        while flight.busy and (left := end - time.monotonic()) > 0:
+            await self._changes(min(left, 0.1))
+        late = flight.drop_running()
+        for msg in late:
+            task = self.tasks.get(id(msg))
+            if task is not None:
+                task.cancel()
+        await self._hand_back(late, f"still running after the {loop.grace:g}s grace period")
+        if self.tasks:  # settles under way, and the cancelled handlers
+            await asyncio.wait(list(self.tasks.values()), timeout=5.0)
+
+    async def _hand_back(self, messages: list[Message], why: str) -> None:
+        if messages:
+            log.warning("consume: handing back %d messages (%s)", len(messages), why)
+            await self.run_io(self.sub._release, messages)
+            self.loop.stats.released += len(messages)
+
+    async def _renew(self) -> None:
+        seconds = self.loop.extend_by
+        assert seconds is not None
+        now = self.sub._broker._monotonic
+        wake = asyncio.Event()
+        clock = self.sub._broker._clock
+        if clock is not None:  # a fake clock's jump is a tick
+            events = asyncio.get_running_loop()
+            clock.on_advance(lambda: events.call_soon_threadsafe(wake.set))
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self.loop.tick)
+            wake.clear()
+            for msg in self.loop.due(now()):
+                if await self.run_io(renew, msg, seconds):
+                    self.loop.stats.extended += 1
 
 
 class AsyncBroker:

@@ -12,21 +12,30 @@ import itertools
 import logging
 import math
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal
 
 from . import codec, names
 from .capabilities import Capabilities, Feature
+from .checks import check_count as _check_count
+from .checks import check_seconds as _check_seconds
+from .consuming import (
+    Backoff,
+    ConsumeLoop,
+    ConsumeStats,
+    ThreadedConsume,
+    check_handler,
+    stop_on_signals,
+)
 from .driver import Driver, DriverSubscription
 from .errors import (
     AlreadySettled,
     Closed,
+    DecodeError,
     InvalidArgument,
     LeaseExpired,
     MessageTooLarge,
@@ -44,6 +53,7 @@ from .model import (
     OutgoingMessage,
     utc,
 )
+from .typed import Model
 from .url import BrokerURL, redact
 
 __all__ = ["Backoff", "Broker", "ConsumeStats", "Message", "Subscription"]
@@ -51,6 +61,7 @@ __all__ = ["Backoff", "Broker", "ConsumeStats", "Message", "Subscription"]
 log = logging.getLogger("mqabstract")
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+_UNDECODED = object()
 
 
 class _IdSource:
@@ -192,101 +203,6 @@ class _Guard:
         raise _translate(exc, self.backend) from exc
 
 
-class _ConsumeLoop:
-    """The bookkeeping of a consume loop, shared by the sync and the asyncio ``consume``:
-    how many messages to ask for and how long to wait next, when the loop is done, and how
-    long to back off after a retryable broker error (growing with consecutive failures).
-    The loops themselves only call receive and the handler, each in its own way."""
-
-    def __init__(self, max_messages: int | None, idle_timeout: float | None, batch: int,
-                 wait: float, backoff: Backoff | None) -> None:
-        _check_count(batch, "batch")
-        if max_messages is not None:
-            _check_count(max_messages, "max_messages")
-        if idle_timeout is not None:
-            _check_seconds(idle_timeout, "idle_timeout", math.inf)
-        self.max_messages, self.idle_timeout = max_messages, idle_timeout
-        self.batch, self.wait = batch, _check_seconds(wait, "wait", math.inf)
-        self.backoff = backoff or Backoff()
-        self.stats = ConsumeStats()
-        self.last_message = time.monotonic()
-        self.failures = 0
-
-    def next(self) -> tuple[int, float] | None:
-        """(max_messages, wait) for the next receive; None when the loop should end."""
-        done = self.stats.received
-        if self.max_messages is not None and done >= self.max_messages:
-            return None
-        want = self.batch if self.max_messages is None else min(self.batch,
-                                                                self.max_messages - done)
-        if self.idle_timeout is None:
-            return want, self.wait
-        left = self.idle_timeout - (time.monotonic() - self.last_message)
-        return None if left <= 0 else (want, min(self.wait, left))
-
-    def got(self, messages: Sequence[object]) -> None:
-        """A receive returned: count the messages about to be handled."""
-        self.failures = 0
-        if messages:
-            self.last_message = time.monotonic()
-            self.stats.received += len(messages)
-
-    def failed(self, exc: MQError, closed: bool) -> float:
-        """A receive raised: re-raise unless retryable; else the seconds to pause."""
-        if not exc.retryable or closed:
-            raise exc
-        self.failures += 1
-        pause = self.backoff.delay(self.failures)
-        log.warning("consume: %s; retrying in %.1fs", exc, pause)
-        return pause
-
-
-def _check_count(value: object, what: str) -> None:
-    """A count argument (max_messages, batch, limit ...) must be an int ≥ 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{what} must be an int ≥ 1, got {value!r}")
-
-
-def _check_seconds(value: object, what: str, maximum: float, allow_zero: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"{what} must be a number of seconds, not {type(value).__name__}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0 or (not allow_zero and seconds == 0):
-        bound = "≥ 0" if allow_zero else "> 0"
-        raise InvalidArgument(f"{what} must be finite and {bound}, got {value!r}")
-    if seconds > maximum:
-        raise InvalidArgument(f"{what}={seconds:g}s exceeds this backend's maximum of {maximum:g}s")
-    return seconds
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Redelivery delay after a handler failure: ``initial * multiplier**(attempt-1)``."""
-
-    initial: float = 1.0
-    multiplier: float = 2.0
-    maximum: float = 300.0
-    jitter: float = 0.1  #: ± fraction applied at random, so failing consumers don't stampede
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.maximum, self.initial * self.multiplier ** max(0, attempt - 1))
-        if self.jitter:
-            base *= 1 + random.uniform(-self.jitter, self.jitter)
-        return max(0.0, min(self.maximum, base))
-
-
-@dataclass
-class ConsumeStats:
-    """What a ``consume`` run did."""
-
-    received: int = 0
-    acked: int = 0
-    retried: int = 0
-    dead_lettered: int = 0
-    failed: int = 0  #: handler raised
-    expired: int = 0  #: settled at or after the lease deadline (``LeaseExpired``)
-
-
 class Message:
     """A received message, leased to this consumer until settled or the lease expires.
 
@@ -303,6 +219,7 @@ class Message:
         "_receipt",
         "_state",
         "_sub",
+        "_value",
         "attempt",
         "body",
         "headers",
@@ -329,11 +246,18 @@ class Message:
         self._sub = sub
         self._state: str | None = None
         self._deadline = deadline  # on the broker's monotonic clock
+        self._value: Any = _UNDECODED
 
     @property
     def value(self) -> Any:
-        """The body decoded by its content-type: JSON → objects, text → str, else bytes."""
-        return codec.decode(self.body, self.headers.get(codec.CONTENT_TYPE))
+        """The body decoded by its content-type: JSON → objects, text → str, else bytes;
+        an instance of the subscription's ``model`` when it has one (``InvalidPayload``
+        when the body does not validate). Decoded once."""
+        if self._value is _UNDECODED:
+            value = codec.decode(self.body, self.headers.get(codec.CONTENT_TYPE))
+            model = self._sub.model
+            self._value = value if model is None else model.load(value)
+        return self._value
 
     @property
     def published_at(self) -> datetime:
@@ -418,10 +342,12 @@ class Message:
 class Subscription:
     """A consumer attached to a group; messages of the group are shared among its consumers."""
 
-    def __init__(self, broker: Broker, spec: GroupSpec, inner: DriverSubscription) -> None:
+    def __init__(self, broker: Broker, spec: GroupSpec, inner: DriverSubscription,
+                 model: Model | None = None) -> None:
         self._broker = broker
         self._inner = inner
         self.spec = spec
+        self.model = model  #: what ``Message.value`` is built into (``subscribe(model=)``)
         self._lock = threading.Lock()
         self._unsettled: set[Message] = set()
         self._closed = False
@@ -598,77 +524,101 @@ class Subscription:
         wait: float = 1.0,
         backoff: Backoff | None = None,
         stop: threading.Event | None = None,
+        concurrency: int = 1,
+        auto_extend: bool | None = None,
+        grace: float = 30.0,
+        signals: bool = False,
     ) -> ConsumeStats:
         """Call ``handler`` for each message until stopped; return what happened.
 
         A handler that returns acks the message (unless it settled it itself); one that
         raises gets the message nacked with exponential ``backoff``, and dead-lettered with
-        the exception as reason once ``max_attempts`` deliveries are used up. The loop ends
-        after ``max_messages`` messages, after ``idle_timeout`` seconds without any, when
-        ``stop`` is set, or when ``Subscription.stop()`` is called. Retryable broker errors
-        (a dropped connection) are retried with backoff; others propagate.
-        """
-        loop = _ConsumeLoop(max_messages, idle_timeout, batch, wait, backoff)
-        self._stop.clear()
-        while not (self._stop.is_set() or (stop is not None and stop.is_set())):
-            step = loop.next()
-            if step is None:
-                break
-            try:
-                messages = self.receive(*step)
-            except MQError as exc:
-                if (stop or self._stop).wait(loop.failed(exc, self._closed)):
-                    break
-                continue
-            loop.got(messages)
-            for msg in messages:
-                try:
-                    handler(msg)
-                except Exception as exc:
-                    self._outcome(msg, exc, loop.stats, loop.backoff)
-                    continue
-                self._outcome(msg, None, loop.stats, loop.backoff)
-        return loop.stats
+        the exception as reason once ``max_attempts`` deliveries are used up. A payload that
+        fails the subscription's ``model`` is dead-lettered at once, never handled.
 
-    def _outcome(self, msg: Message, exc: Exception | None, stats: ConsumeStats,
-                 backoff: Backoff) -> None:
+        ``concurrency`` handlers run at once (a pool of threads; 1 runs them on this
+        thread), with at most ``max(concurrency, batch)`` messages leased; in an ordered
+        group two messages of one key never run at the same time. ``auto_extend`` (on by
+        default where leases can be extended) renews the lease of every held message with
+        less than half of it left, so a slow handler keeps its message.
+
+        The loop ends after ``max_messages`` messages (once their handlers finish), after
+        ``idle_timeout`` seconds without any, or on a stop: ``stop`` set,
+        ``Subscription.stop()``, or SIGTERM/SIGINT with ``signals=True``. A stop takes no
+        more messages, hands back those not started at once, gives running handlers
+        ``grace`` seconds and then hands theirs back too: nothing is lost, only the
+        unfinished come again. Retryable broker errors (a dropped connection) are retried
+        with backoff; others propagate.
+        """
+        check_handler(handler, coroutine=False)
+        loop = ConsumeLoop(self, max_messages=max_messages, idle_timeout=idle_timeout,
+                           batch=batch, wait=wait, backoff=backoff, concurrency=concurrency,
+                           auto_extend=auto_extend, grace=grace)
+        if not isinstance(signals, bool):
+            raise InvalidArgument(f"signals must be a bool, got {signals!r}")
+        self._check_open()
+        self._stop.clear()
+        with stop_on_signals(signals, self._stop.set):
+            return ThreadedConsume(self, handler, loop, stop).run()
+
+    def _invalid(self, msg: Message) -> str | None:
+        """Why ``msg``'s payload fails the subscription's model (None: it fits, or there is
+        no model). Decodes it once; the handler then reads ``msg.value`` for free."""
+        if self.model is None:
+            return None
+        try:
+            msg.value  # noqa: B018 - decodes and caches
+        except DecodeError as exc:
+            return str(exc)
+        return None
+
+    def _reject(self, msg: Message, reason: str) -> tuple[str, ...]:
+        """Dead-letter a message whose payload is invalid: retrying cannot fix it."""
+        log.warning("consume: %s dead-lettered: invalid payload: %s", msg.id, reason)
+        try:
+            msg.dead_letter(f"invalid payload: {reason}")
+        except LeaseExpired as late:
+            self._count_expired(msg, late)
+            return ("expired",)
+        return ("invalid", "dead_lettered")
+
+    def _outcome(self, msg: Message, exc: Exception | None, backoff: Backoff
+                 ) -> tuple[str, ...]:
         """Settle ``msg`` after its handler returned (``exc`` None: ack unless it settled
         the message itself) or raised ``exc`` (nack with backoff; dead-letter on the final
-        attempt; a ``LeaseExpired`` is counted, not retried). Shared by the sync and the
-        asyncio ``consume``."""
+        attempt; a ``LeaseExpired`` is counted, not retried). Returns the ``ConsumeStats``
+        counters to add. Shared by the sync and the asyncio ``consume``."""
         if isinstance(exc, LeaseExpired):  # the handler settled too late: counted, logged
-            self._count_expired(stats, msg, exc)
-            return
-        if exc is not None:
-            stats.failed += 1
+            self._count_expired(msg, exc)
+            return ("expired",)
+        counts: tuple[str, ...] = () if exc is None else ("failed",)
         if msg.settled:
-            return
+            return counts
         caps = self._broker.capabilities
         try:
             if exc is None:
                 msg.ack()
-                stats.acked += 1
-            elif caps.supports(Feature.DEAD_LETTER) and msg.attempt >= self.spec.max_attempts:
+                return ("acked",)
+            if caps.supports(Feature.DEAD_LETTER) and msg.attempt >= self.spec.max_attempts:
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("consume: %s dead-lettered after %d attempts: %s",
                             msg.id, msg.attempt, reason)
                 msg.dead_letter(reason)
-                stats.dead_lettered += 1
-            else:
-                msg.nack(backoff.delay(msg.attempt) if caps.supports(Feature.NACK_DELAY)
-                         else 0.0)
-                stats.retried += 1
+                return (*counts, "dead_lettered")
+            msg.nack(backoff.delay(msg.attempt) if caps.supports(Feature.NACK_DELAY) else 0.0)
+            return (*counts, "retried")
         except LeaseExpired as late:
-            self._count_expired(stats, msg, late)
+            self._count_expired(msg, late)
+            return (*counts, "expired")
 
     @staticmethod
-    def _count_expired(stats: ConsumeStats, msg: Message, exc: LeaseExpired) -> None:
-        stats.expired += 1
+    def _count_expired(msg: Message, exc: LeaseExpired) -> None:
         log.warning("consume: handler outlived the lease of %s (attempt %d): %s",
                     msg.id, msg.attempt, exc)
 
     def stop(self) -> None:
-        """Ask a running ``consume`` loop (in any thread) to return after its current message."""
+        """Stop a running ``consume`` (from any thread or a signal handler): it takes no more
+        messages and returns once running handlers finish (within its ``grace``)."""
         self._stop.set()
 
     def close(self) -> None:
@@ -1135,16 +1085,22 @@ class Broker:
         lease: float = 30.0,
         ordered: bool = False,
         priority: bool = False,
+        model: type | None = None,
         **options: Any,
     ) -> Subscription:
-        """Declare the group (as ``declare``) and attach a consumer to it."""
+        """Declare the group (as ``declare``) and attach a consumer to it.
+
+        ``model`` (a pydantic v2 model class or a dataclass) types the payloads:
+        ``Message.value`` is an instance built from the JSON body, and ``consume``
+        dead-letters a message that does not validate (with the error as reason)."""
+        typed = None if model is None else Model(model)
         spec = self.declare(
             group, pattern, max_attempts=max_attempts, lease=lease, ordered=ordered,
             priority=priority, **options,
         )
         with self._guard:
             inner = self._driver.subscribe(spec)
-        sub = Subscription(self, spec, inner)
+        sub = Subscription(self, spec, inner, typed)
         with self._lock:
             self._subs.add(sub)
         return sub

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from .errors import DecodeError, EncodeError
+from .typed import is_model_instance, model_json
 
 __all__ = ["CONTENT_TYPE", "JSON", "TEXT", "Body", "decode", "encode"]
 
@@ -44,9 +45,12 @@ def encode(value: object) -> tuple[bytes, str | None]:
             raise EncodeError(f"body is not JSON-serialisable: {exc}") from exc
         except RecursionError:  # nested deeper than the interpreter's stack
             raise EncodeError("body is nested too deeply to encode as JSON") from None
+    if is_model_instance(value):  # a pydantic model or a dataclass instance: its JSON
+        return model_json(value), JSON
     raise EncodeError(
         f"cannot encode body of type {type(value).__name__}: "
-        "use bytes, str, or a JSON value (dict, list, number, bool)"
+        "use bytes, str, a JSON value (dict, list, number, bool), a pydantic model or "
+        "a dataclass"
     )
 
 

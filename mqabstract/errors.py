@@ -118,6 +118,10 @@ class DecodeError(MQError):
     """A received body does not decode as its content-type says."""
 
 
+class InvalidPayload(DecodeError):
+    """A received body decodes but does not validate as the subscription's ``model``."""
+
+
 class PublishError(MQError):
     """Some messages of a batch were not confirmed by the broker.
 

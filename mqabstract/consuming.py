@@ -1,0 +1,452 @@
+"""The production consume loop, one design for the sync and the asyncio API.
+
+``Subscription.consume`` (a worker pool of threads) and ``AsyncSubscription.consume``
+(tasks) share everything here but the waiting: what to ask ``receive`` for, which message
+may start (``concurrency`` handlers at once; in an ordered group never two of one key),
+which leases to renew while handlers run (``auto_extend``), and what a stop does: take no
+more messages, let running handlers finish within ``grace`` seconds, hand the rest back for
+redelivery at once. The settle decision after a handler (ack / nack with backoff /
+dead-letter) is ``Subscription._outcome``, also shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from .capabilities import Feature
+from .checks import check_count, check_seconds
+from .errors import InvalidArgument, MQError
+from .url import redact
+
+if TYPE_CHECKING:
+    from .broker import Message, Subscription
+    from .model import GroupSpec
+
+__all__ = ["Backoff", "ConsumeStats"]
+
+log = logging.getLogger("mqabstract")
+
+#: Signals a consume loop stops on when asked to (``signals=True``).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Redelivery delay after a handler failure: ``initial * multiplier**(attempt-1)``."""
+
+    initial: float = 1.0
+    multiplier: float = 2.0
+    maximum: float = 300.0
+    jitter: float = 0.1  #: ± fraction applied at random, so failing consumers don't stampede
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.maximum, self.initial * self.multiplier ** max(0, attempt - 1))
+        if self.jitter:
+            base *= 1 + random.uniform(-self.jitter, self.jitter)
+        return max(0.0, min(self.maximum, base))
+
+
+@dataclass
+class ConsumeStats:
+    """What a ``consume`` run did."""
+
+    received: int = 0
+    acked: int = 0
+    retried: int = 0
+    dead_lettered: int = 0  #: includes ``invalid``
+    failed: int = 0  #: handler raised
+    expired: int = 0  #: settled at or after the lease deadline (``LeaseExpired``)
+    invalid: int = 0  #: payload failed the subscription's model: dead-lettered, never retried
+    released: int = 0  #: handed back unfinished at a stop (never started, or outlived grace)
+    extended: int = 0  #: lease renewals made by ``auto_extend``
+
+    def __iadd__(self, other: ConsumeStats) -> ConsumeStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+
+class Flight:
+    """The messages a consume loop holds (leased, not yet finished): at most ``limit``;
+    at most ``concurrency`` of them running; in an ordered group one running per key, the
+    key's later messages waiting in arrival order. Not locked: the sync loop guards it
+    with its condition, the asyncio loop touches it from one thread."""
+
+    def __init__(self, concurrency: int, limit: int, ordered: bool) -> None:
+        self.concurrency, self.limit, self.ordered = concurrency, limit, ordered
+        self.held: dict[int, Message] = {}  # id(msg) -> msg
+        self.running: dict[int, Message] = {}
+        self.settling: set[int] = set()  # handler returned, settle in progress
+        self.ready: deque[Message] = deque()  # may start as soon as a slot frees
+        self.blocked: dict[str, deque[Message]] = {}  # busy key -> its later messages
+
+    def room(self) -> int:
+        """How many more messages may be leased now."""
+        return self.limit - len(self.held)
+
+    def _keyed(self, msg: Message) -> str | None:
+        return msg.key if self.ordered else None
+
+    def admit(self, messages: Sequence[Message]) -> None:
+        for msg in messages:
+            self.held[id(msg)] = msg
+            key = self._keyed(msg)
+            if key is None:
+                self.ready.append(msg)
+            elif key in self.blocked:  # one of its key is ready or running
+                self.blocked[key].append(msg)
+            else:
+                self.blocked[key] = deque()
+                self.ready.append(msg)
+
+    def take(self) -> list[Message]:
+        """The messages to start now (marked running)."""
+        out = []
+        while self.ready and len(self.running) < self.concurrency:
+            msg = self.ready.popleft()
+            self.running[id(msg)] = msg
+            out.append(msg)
+        return out
+
+    def settle(self, msg: Message) -> bool:
+        """The handler of ``msg`` returned: False if the stop already handed it back."""
+        if id(msg) not in self.running:
+            return False
+        self.settling.add(id(msg))
+        return True
+
+    def finish(self, msg: Message) -> None:
+        """``msg`` is done (settled or handed back): the next of its key becomes ready."""
+        self.settling.discard(id(msg))
+        if self.running.pop(id(msg), None) is None:
+            return
+        del self.held[id(msg)]
+        key = self._keyed(msg)
+        if key is not None:
+            later = self.blocked[key]
+            if later:
+                self.ready.append(later.popleft())
+            else:
+                del self.blocked[key]
+
+    def due(self, now: float, margin: float) -> list[Message]:
+        """Held messages, not being settled, whose lease ends within ``margin`` seconds."""
+        return [m for k, m in self.held.items()
+                if k not in self.settling and m._state is None and m._deadline - now <= margin]
+
+    def drop_waiting(self) -> list[Message]:
+        """Stop: every held message no handler has started (to hand back)."""
+        out = [m for k, m in self.held.items() if k not in self.running]
+        for msg in out:
+            del self.held[id(msg)]
+        self.ready.clear()
+        self.blocked = {key: deque() for m in self.running.values()
+                        if (key := self._keyed(m)) is not None}
+        return out
+
+    def drop_running(self) -> list[Message]:
+        """Grace is over: the running messages whose handler has not returned."""
+        out = [m for k, m in self.running.items() if k not in self.settling]
+        for msg in out:
+            del self.running[id(msg)]
+            del self.held[id(msg)]
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+
+class ConsumeLoop:
+    """One ``consume`` run's settings and state: checked before anything is received."""
+
+    def __init__(self, sub: Subscription, *, max_messages: int | None,
+                 idle_timeout: float | None, batch: int, wait: float,
+                 backoff: Backoff | None, concurrency: int, auto_extend: bool | None,
+                 grace: float) -> None:
+        check_count(batch, "batch")
+        check_count(concurrency, "concurrency")
+        if max_messages is not None:
+            check_count(max_messages, "max_messages")
+        if idle_timeout is not None:
+            check_seconds(idle_timeout, "idle_timeout", math.inf)
+        if auto_extend is not None and not isinstance(auto_extend, bool):
+            raise InvalidArgument(f"auto_extend must be a bool or None, got {auto_extend!r}")
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise InvalidArgument("backoff must be a mqabstract.Backoff")
+        spec: GroupSpec = sub.spec
+        can_extend = sub._broker.capabilities.supports(Feature.LEASE_EXTEND)
+        if auto_extend and not can_extend:
+            sub._broker._require(Feature.LEASE_EXTEND)
+        self.max_messages, self.idle_timeout = max_messages, idle_timeout
+        self.batch, self.wait = batch, check_seconds(wait, "wait", math.inf)
+        self.grace = check_seconds(grace, "grace", math.inf)
+        self.backoff = backoff or Backoff()
+        self.concurrency = concurrency
+        #: Renew leases of held messages that have less than half the lease left.
+        self.extend_by = spec.lease if (can_extend if auto_extend is None else auto_extend) \
+            else None
+        self.tick = min(max(spec.lease / 4, 0.01), 5.0)
+        self.flight = Flight(concurrency, max(concurrency, batch), spec.ordered)
+        self.stats = ConsumeStats()
+        self.last_message = time.monotonic()
+        self.failures = 0
+
+    def next(self) -> tuple[int, float] | None:
+        """(max_messages, wait) for the next receive; None when the loop should end.
+        Call it only when ``flight.room()`` is positive."""
+        done = self.stats.received
+        want = min(self.batch, self.flight.room())
+        if self.max_messages is not None:
+            if done >= self.max_messages:
+                return None
+            want = min(want, self.max_messages - done)
+        if self.idle_timeout is None:
+            return want, self.wait
+        left = self.idle_timeout - (time.monotonic() - self.last_message)
+        return None if left <= 0 else (want, min(self.wait, left))
+
+    def got(self, messages: Sequence[Message]) -> None:
+        """A receive returned: count the messages and hold them."""
+        self.failures = 0
+        if messages:
+            self.last_message = time.monotonic()
+            self.stats.received += len(messages)
+            self.flight.admit(messages)
+
+    def failed(self, exc: MQError, closed: bool) -> float:
+        """A receive raised: re-raise unless retryable; else the seconds to pause."""
+        if not exc.retryable or closed:
+            raise exc
+        self.failures += 1
+        pause = self.backoff.delay(self.failures)
+        log.warning("consume: %s; retrying in %.1fs", exc, pause)
+        return pause
+
+    def count(self, names: Sequence[str]) -> None:
+        for name in names:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def due(self, now: float) -> list[Message]:
+        """Messages whose lease ``auto_extend`` renews now (less than half of it left)."""
+        assert self.extend_by is not None
+        return self.flight.due(now, self.extend_by / 2)
+
+
+def renew(msg: Message, seconds: float) -> bool:
+    """``msg.extend(seconds)`` for ``auto_extend``: a message settled or lost meanwhile is
+    not an error of the loop (its handler or the stop decides its fate)."""
+    try:
+        msg.extend(seconds)
+        return True
+    except MQError as exc:
+        log.debug("auto_extend of %s: %s", msg.id, redact(str(exc)))
+        return False
+
+
+def check_handler(handler: object, coroutine: bool) -> None:
+    """A handler of the sync consume is a plain callable; of the asyncio one, ``async def``."""
+    import inspect
+
+    call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
+    is_coro = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+    if not callable(handler):
+        raise InvalidArgument(f"handler must be callable, got {type(handler).__name__}")
+    if coroutine and not is_coro:
+        raise InvalidArgument("the asyncio consume takes a coroutine function (async def)")
+    if not coroutine and is_coro:
+        raise InvalidArgument("a coroutine handler needs the asyncio API (mqabstract.aio)")
+
+
+@contextmanager
+def stop_on_signals(enabled: bool, stop: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT call ``stop`` (then the previous handlers
+    are back). Only the main thread may install signal handlers: elsewhere, a typed error."""
+    if not enabled:
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        raise InvalidArgument("signals=True works only in the main thread")
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("consume: %s: stopping", signal.Signals(signum).name)
+        stop()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+class ThreadedConsume:
+    """The sync ``consume``: receives on the calling thread, runs handlers inline
+    (``concurrency=1``) or on a pool of ``concurrency`` threads, renews leases on a thread of
+    its own."""
+
+    def __init__(self, sub: Subscription, handler: Callable[[Message], object],
+                 loop: ConsumeLoop, stop: threading.Event | None) -> None:
+        self.sub, self.handler, self.loop, self.stop = sub, handler, loop, stop
+        self.flight = loop.flight
+        self.cond = threading.Condition()
+        self.pool = (ThreadPoolExecutor(loop.concurrency, thread_name_prefix="mqabstract-consume")
+                     if loop.concurrency > 1 else None)
+        self.ended = threading.Event()
+        self.wake = threading.Event()
+
+    def stopping(self) -> bool:
+        return (self.sub._stop.is_set() or self.sub.closed
+                or (self.stop is not None and self.stop.is_set()))
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep ``seconds`` unless stopped first; True if stopped."""
+        end = time.monotonic() + seconds
+        while not self.stopping():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self.sub._stop.wait(min(left, 0.1))
+        return True
+
+    def run(self) -> ConsumeStats:
+        renewer = None
+        if self.loop.extend_by is not None:
+            clock = self.sub._broker._clock
+            if clock is not None:
+                clock.on_advance(self.wake.set)  # a fake clock's jump is a tick
+            renewer = threading.Thread(target=self._renew, name="mqabstract-extend",
+                                       daemon=True)
+            renewer.start()
+        try:
+            self._feed()
+            self._finish()
+        finally:
+            self._wind_down()
+            self.ended.set()
+            self.wake.set()
+            if renewer is not None:
+                renewer.join()
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+        return self.loop.stats
+
+    def _feed(self) -> None:
+        loop, flight, cond = self.loop, self.flight, self.cond
+        while not self.stopping():
+            with cond:
+                while flight.room() <= 0 and not self.stopping():
+                    cond.wait(0.1)
+                if self.stopping():
+                    return
+                step = loop.next()
+            if step is None:
+                return
+            try:
+                messages = self.sub.receive(*step)
+            except MQError as exc:
+                if self._pause(loop.failed(exc, self.sub.closed)):
+                    return
+                continue
+            with cond:
+                loop.got(messages)
+            self._start()
+
+    def _start(self) -> None:
+        """Start what may start: inline one after the other, or on the pool."""
+        while not self.stopping():
+            with self.cond:
+                todo = self.flight.take()
+            if not todo:
+                return
+            if self.pool is None:
+                for msg in todo:
+                    self._handle(msg)
+                continue
+            for msg in todo:
+                self.pool.submit(self._handle, msg)
+            return
+
+    def _handle(self, msg: Message) -> None:
+        names: Sequence[str] = ()
+        try:
+            invalid = self.sub._invalid(msg)
+            if invalid is not None:
+                names = self.sub._reject(msg, invalid)
+                return
+            exc: Exception | None = None
+            try:
+                self.handler(msg)
+            except Exception as raised:
+                exc = raised
+            with self.cond:
+                if not self.flight.settle(msg):  # handed back at the end of grace
+                    return
+            names = self.sub._outcome(msg, exc, self.loop.backoff)
+        except MQError as exc:  # the broker refused the settle: the lease brings it back
+            log.warning("consume: settling %s failed: %s", msg.id, exc)
+        finally:
+            with self.cond:
+                self.loop.count(names)
+                self.flight.finish(msg)
+                self.cond.notify_all()
+            if self.pool is not None:
+                self._start()
+
+    def _finish(self) -> None:
+        """The loop ended by itself (max_messages, idle_timeout): let all held finish."""
+        with self.cond:
+            while self.flight.held and not self.stopping():
+                self.cond.wait(0.1)
+
+    def _wind_down(self) -> None:
+        """Stopped: hand back what never started, give running handlers ``grace`` seconds,
+        then hand back theirs too."""
+        with self.cond:
+            waiting = self.flight.drop_waiting()
+        self._hand_back(waiting, "not started")
+        end = time.monotonic() + self.loop.grace
+        with self.cond:
+            while self.flight.busy and (left := end - time.monotonic()) > 0:
+                self.cond.wait(left)
+            late = self.flight.drop_running()
+        self._hand_back(late, f"still running after the {self.loop.grace:g}s grace period")
+        with self.cond:  # settles under way finish (bounded: a stalled broker times out)
+            while self.flight.settling and time.monotonic() < end + 5.0:
+                self.cond.wait(0.1)
+
+    def _hand_back(self, messages: list[Message], why: str) -> None:
+        if messages:
+            log.warning("consume: handing back %d messages (%s)", len(messages), why)
+            self.sub._release(messages)
+            with self.cond:
+                self.loop.stats.released += len(messages)
+
+    def _renew(self) -> None:
+        seconds = self.loop.extend_by
+        assert seconds is not None
+        now = self.sub._broker._monotonic
+        while not self.ended.is_set():
+            self.wake.wait(self.loop.tick)
+            self.wake.clear()
+            if self.ended.is_set():
+                return
+            with self.cond:
+                due = self.loop.due(now())
+            renewed = sum(renew(msg, seconds) for msg in due)
+            if renewed:
+                with self.cond:
+                    self.loop.stats.extended += renewed
