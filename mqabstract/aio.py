@@ -319,17 +319,11 @@ class _TaskConsume:
             step = loop.next()
             if step is None:
                 return
-            receiving = asyncio.ensure_future(asub.receive(*step))
-            stopped = asyncio.ensure_future(asub._stop.wait())
-            await asyncio.wait((receiving, stopped), return_when=asyncio.FIRST_COMPLETED)
-            stopped.cancel()
-            if not receiving.done():  # stopped while waiting: cancelling hands back
-                receiving.cancel()
-                with contextlib.suppress(asyncio.CancelledError, MQError):
-                    await receiving
-                return
+            # One slice at a time, never cancelled: a stop is seen within SLICE seconds,
+            # and what a receive took is held (and handed back by the stop if need be).
+            want, wait = step
             try:
-                got = receiving.result()
+                got = await asub.receive(want, min(wait, SLICE))
             except MQError as exc:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asub._stop.wait(), loop.failed(exc, self.sub.closed))
@@ -396,7 +390,12 @@ class _TaskConsume:
         clock = self.sub._broker._clock
         if clock is not None:  # a fake clock's jump is a tick
             events = asyncio.get_running_loop()
-            clock.on_advance(lambda: events.call_soon_threadsafe(wake.set))
+
+            def poke() -> None:  # stays registered: harmless once this loop is gone
+                with contextlib.suppress(RuntimeError):
+                    events.call_soon_threadsafe(wake.set)
+
+            clock.on_advance(poke)
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), self.loop.tick)
