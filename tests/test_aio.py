@@ -174,3 +174,44 @@ def test_consume_with_coroutine_handler_retries_and_dead_letters() -> None:
             assert dead.reason == "ValueError: no good" and dead.attempts == 2
 
     run(main)
+
+
+def test_loop_keeps_ticking_while_a_broker_stalls() -> None:
+    """A broker that accepts the connection and then says nothing (a hung RabbitMQ): the
+    connect waits out its timeout on an I/O thread, and fails with a typed error, while a
+    heartbeat task on the loop keeps its cadence."""
+    import socket
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    port = hole.getsockname()[1]
+
+    async def main() -> None:
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        start = time.monotonic()
+        with pytest.raises(mqabstract.MQError) as err:
+            await aio.connect(f"amqp://guest:guest@127.0.0.1:{port}/?connect_timeout=1.5")
+        waited = time.monotonic() - start
+        stop.set()
+        await beat
+        assert err.value.retryable, err.value
+        assert "guest:guest" not in str(err.value)  # no secret in the error
+        assert waited >= 1.0 and len(gaps) >= 50, (waited, len(gaps))
+        assert max(gaps) < 0.25, max(gaps)
+
+    try:
+        run(main)
+    finally:
+        hole.close()
