@@ -275,6 +275,8 @@ class _TaskConsume:
         self.run_io = asub._run
         self.changed = asyncio.Event()  # a handler finished (room, or grace may be over)
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.acks: list[Message] = []  # handlers returned: to ack in the next batch
+        self.flusher: asyncio.Task[None] | None = None
 
     def stopping(self) -> bool:
         return self.asub._stop.is_set() or self.sub.closed
@@ -313,7 +315,7 @@ class _TaskConsume:
     async def _feed(self) -> None:
         loop, asub = self.loop, self.asub
         while not self.stopping():
-            if self.flight.room() <= 0:
+            if not self.flight.wants_more():
                 await self._changes()
                 continue
             step = loop.next()
@@ -339,6 +341,7 @@ class _TaskConsume:
 
     async def _handle(self, msg: Message) -> None:
         names: Sequence[str] = ()
+        later = False
         try:
             invalid = self.sub._invalid(msg)
             if invalid is not None:
@@ -351,15 +354,51 @@ class _TaskConsume:
                 exc = raised
             if not self.flight.settle(msg):
                 return
+            if exc is None and not msg.settled:  # the common case: acked with others
+                self.acks.append(msg)
+                later = True
+                if self.flusher is None:
+                    self.flusher = asyncio.create_task(self._flush())
+                return
             names = await self.run_io(self.sub._outcome, msg, exc, self.loop.backoff)
         except MQError as exc:  # the broker refused the settle: the lease brings it back
             log.warning("consume: settling %s failed: %s", msg.id, exc)
         finally:
-            self.loop.count(names)
-            self.flight.finish(msg)
             self.tasks.pop(id(msg), None)
-            self.changed.set()
-            self._start()
+            if later:
+                self._start()  # its slot is free while the ack is on its way
+            else:
+                self._done(msg, names)
+
+    def _handling(self) -> bool:
+        """A handler is running (not yet returned)."""
+        flight = self.flight
+        return len(flight.running) > len(flight.settling)
+
+    def _done(self, msg: Message, names: Sequence[str]) -> None:
+        self.loop.count(names)
+        self.flight.finish(msg)
+        self.changed.set()
+        self._start()
+
+    async def _flush(self) -> None:
+        """Ack the messages whose handlers returned, many per I/O call (one thread hop for
+        all that finished meanwhile, instead of one each); the next handlers already run."""
+        try:
+            for _ in range(self.loop.batch):  # let handlers about to return join this batch
+                if len(self.acks) >= self.loop.batch or not self._handling():
+                    break
+                await asyncio.sleep(0)
+            while self.acks:
+                batch, self.acks = self.acks, []
+                try:
+                    await self.run_io(self.sub.ack_many, batch)
+                except MQError as exc:  # LeaseExpired names the late ones; others were acked
+                    log.warning("consume: acking %d messages: %s", len(batch), exc)
+                for msg in batch:
+                    self._done(msg, ("acked",) if msg._state == "acked" else ("expired",))
+        finally:
+            self.flusher = None
 
     async def _wind_down(self) -> None:
         flight, loop = self.flight, self.loop
@@ -373,8 +412,9 @@ class _TaskConsume:
             if task is not None:
                 task.cancel()
         await self._hand_back(late, f"still running after the {loop.grace:g}s grace period")
-        if self.tasks:  # settles under way, and the cancelled handlers
-            await asyncio.wait(list(self.tasks.values()), timeout=5.0)
+        pending = [*self.tasks.values(), *([self.flusher] if self.flusher else [])]
+        if pending:  # settles under way, and the cancelled handlers
+            await asyncio.wait(pending, timeout=5.0)
 
     async def _hand_back(self, messages: list[Message], why: str) -> None:
         if messages:

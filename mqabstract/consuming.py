@@ -95,6 +95,12 @@ class Flight:
         """How many more messages may be leased now."""
         return self.limit - len(self.held)
 
+    def wants_more(self) -> bool:
+        """Time to receive: there is room, and either nothing is waiting to start or half
+        the limit is free (refilling one message at a time would cost a receive each)."""
+        room = self.room()
+        return room > 0 and (not self.ready or room >= self.limit // 2)
+
     def _keyed(self, msg: Message) -> str | None:
         return msg.key if self.ordered else None
 
@@ -111,9 +117,10 @@ class Flight:
                 self.ready.append(msg)
 
     def take(self) -> list[Message]:
-        """The messages to start now (marked running)."""
+        """The messages to start now (marked running). A message being settled leaves its
+        slot to the next handler (its key stays busy until it is finished)."""
         out = []
-        while self.ready and len(self.running) < self.concurrency:
+        while self.ready and len(self.running) - len(self.settling) < self.concurrency:
             msg = self.ready.popleft()
             self.running[id(msg)] = msg
             out.append(msg)
@@ -205,7 +212,7 @@ class ConsumeLoop:
 
     def next(self) -> tuple[int, float] | None:
         """(max_messages, wait) for the next receive; None when the loop should end.
-        Call it only when ``flight.room()`` is positive."""
+        Call it only when ``flight.wants_more()``."""
         done = self.stats.received
         want = min(self.batch, self.flight.room())
         if self.max_messages is not None:
@@ -348,7 +355,7 @@ class ThreadedConsume:
         loop, flight, cond = self.loop, self.flight, self.cond
         while not self.stopping():
             with cond:
-                while flight.room() <= 0 and not self.stopping():
+                while not flight.wants_more() and not self.stopping():
                     cond.wait(0.1)
                 if self.stopping():
                     return
