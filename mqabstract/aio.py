@@ -32,6 +32,7 @@ from collections.abc import (
     Callable,
     Collection,
     Iterable,
+    Mapping,
     Sequence,
 )
 from datetime import datetime
@@ -50,8 +51,8 @@ from .consuming import (
     check_handler,
     renew,
 )
-from .errors import InvalidArgument, MQError
-from .model import DeadLetter, GroupSpec, GroupStats
+from .errors import InvalidArgument, MQError, PublishError
+from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 
 __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
 
@@ -445,12 +446,23 @@ class _TaskConsume:
                     self.loop.stats.extended += 1
 
 
+def _resolve(done: asyncio.Future[str], msg_id: str, failure: BaseException | None) -> None:
+    if done.done():  # the publisher was cancelled
+        return
+    if failure is None:
+        done.set_result(msg_id)
+    else:
+        done.set_exception(failure)
+
+
 class AsyncBroker:
     """``Broker`` for asyncio: the same methods as coroutines."""
 
     def __init__(self, broker: Broker, run: _Runner) -> None:
         self.broker = broker  #: the sync broker underneath
         self._run = run
+        self._outbox: list[tuple[Envelope, asyncio.Future[str]]] = []
+        self._sender: asyncio.Task[None] | None = None
 
     url = property(lambda self: self.broker.url)
     backend = property(lambda self: self.broker.backend)
@@ -460,9 +472,58 @@ class AsyncBroker:
     def capabilities(self) -> Capabilities:
         return self.broker.capabilities
 
-    async def publish(self, topic: str, body: Any, **options: Any) -> str:
-        """``Broker.publish``: confirmed by the broker when it returns; the message id."""
-        return await self._run(self.broker.publish, topic, body, **options)
+    async def publish(
+        self,
+        topic: str,
+        body: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        priority: int | None = None,
+        delay: float | None = None,
+        deliver_at: datetime | None = None,
+        id: str | None = None,
+    ) -> str:
+        """``Broker.publish``: confirmed by the broker when it returns; the message id.
+
+        Checked and encoded here (a typed error before anything is sent); then publishes
+        awaited at the same time go out together, as one driver call (confirms pipelined,
+        as ``publish_batch`` does), and each caller learns its own message's outcome. A
+        cancelled publish may still be sent: it was handed over to the broker already.
+        """
+        broker = self.broker
+        broker._check_open()
+        env = broker._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
+                               broker._now())
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._outbox.append((env, done))
+        if self._sender is None:
+            self._sender = asyncio.create_task(self._send())
+        return await done
+
+    async def _send(self) -> None:
+        """Send what the publishes queued, many per I/O call, until nothing is queued."""
+        try:
+            await asyncio.sleep(0)  # publishers awaited together join this batch
+            while self._outbox:
+                step = self.broker.capabilities.max_batch
+                batch, self._outbox = self._outbox[:step], self._outbox[step:]
+                try:
+                    await self._run(self.broker._send_envelopes, [env for env, _ in batch])
+                except PublishError as err:  # some confirmed, some not: each gets its own
+                    for index, (env, done) in enumerate(batch):
+                        failure = err.failed.get(index)
+                        _resolve(done, env.id, failure)
+                    continue
+                except Exception as exc:
+                    failure = exc if isinstance(exc, MQError) else MQError(str(exc))
+                    for env, done in batch:
+                        _resolve(done, env.id, failure)
+                    continue
+                for env, done in batch:
+                    _resolve(done, env.id, None)
+        finally:
+            self._sender = None
 
     async def publish_batch(self, messages: Iterable[Any]) -> list[str]:
         return await self._run(self.broker.publish_batch, list(messages))

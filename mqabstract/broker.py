@@ -888,6 +888,13 @@ class Broker:
             [e.id for e in envelopes],
             lambda a, b: self._driver.publish(envelopes[a:b]))
 
+    def _send_envelopes(self, envelopes: Sequence[Envelope]) -> list[str]:
+        """Send envelopes already validated (``_envelope``): the asyncio publishes that
+        arrived together share these driver calls."""
+        self._check_open()
+        return self._send_chunks([e.id for e in envelopes],
+                                 lambda a, b: self._driver.publish(envelopes[a:b]))
+
     def _send_chunks(self, ids: list[str], send: Callable[[int, int], None]) -> list[str]:
         """Send rows ``[a, b)`` in chunks of the driver's ``max_batch``, in order; on a
         failure raise ``PublishError`` with what was confirmed, failed and never sent."""

@@ -215,3 +215,43 @@ def test_loop_keeps_ticking_while_a_broker_stalls() -> None:
         run(main)
     finally:
         hole.close()
+
+
+def test_concurrent_publishes_share_driver_calls_and_keep_their_own_outcome(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 publishes awaited together go out in a few driver calls; each caller gets its
+    own id; a bad one among them fails alone, before anything of it is sent."""
+    from mqabstract.broker import Broker
+
+    calls: list[int] = []
+    real = Broker._send_envelopes
+
+    def counting(self: Broker, envelopes: Any) -> list[str]:
+        calls.append(len(envelopes))
+        return real(self, envelopes)
+
+    async def main() -> None:
+        async with await aio.connect(memory_url()) as mq:
+            sub = await mq.subscribe("g", "a.#")
+            bodies: list[object] = [{"n": i} for i in range(100)]
+            bodies[50] = object()  # not encodable
+            results = await asyncio.gather(*(mq.publish("a.b", b) for b in bodies),
+                                           return_exceptions=True)
+            assert isinstance(results[50], mqabstract.EncodeError)
+            ids = [r for i, r in enumerate(results) if i != 50]
+            assert all(isinstance(r, str) for r in ids) and len(set(ids)) == 99
+            assert len(calls) <= 3 and sum(calls) == 99, calls
+            got = []
+            while len(got) < 99:
+                batch = await sub.receive(100, 2)
+                assert batch
+                got += batch
+            assert sorted(m.id for m in got) == sorted(ids)  # type: ignore[type-var]
+            assert {m.id: m.value["n"] for m in got} == {
+                ids[i if i < 50 else i - 1]: i for i in range(100) if i != 50}
+            await mq.close()
+            with pytest.raises(mqabstract.Closed):
+                await mq.publish("a.b", b"late")
+
+    monkeypatch.setattr(Broker, "_send_envelopes", counting)
+    run(main)
