@@ -463,6 +463,7 @@ class AsyncBroker:
         self._run = run
         self._outbox: list[tuple[Envelope, asyncio.Future[str]]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._busy = False  # a lone publish is in flight (others queue for the sender)
 
     url = property(lambda self: self.broker.url)
     backend = property(lambda self: self.broker.backend)
@@ -495,6 +496,17 @@ class AsyncBroker:
         broker._check_open()
         env = broker._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
                                broker._now())
+        if not self._busy:  # nothing in flight: this one goes at once, others queue behind
+            self._busy = True
+            try:
+                await self._run(broker._send_envelopes, (env,))
+            except PublishError as err:
+                raise err.failed.get(0, err) from None
+            finally:
+                self._busy = False
+                if self._outbox and self._sender is None:
+                    self._sender = asyncio.create_task(self._send())
+            return env.id
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._outbox.append((env, done))
         if self._sender is None:

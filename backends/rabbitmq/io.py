@@ -262,19 +262,12 @@ class _Publisher:
         return self.ch is not None and self.ch.is_open
 
     def _publish_fn(self, count: int) -> Callable[..., None]:
-        """Buffer all but the last publish at the channel implementation; BlockingChannel's
-        publish of the last one flushes them to the socket together."""
+        """Buffer every publish at the channel implementation; ``_wait`` flushes them to
+        the socket together while it waits for their confirms (BlockingChannel's own
+        publish would run the I/O loop once more per call)."""
         ch = self.ch
-        calls = itertools.count(1)
-
-        def publish(exchange: str, routing_key: str, body: bytes, props: Any,
-                    mandatory: bool = False) -> None:
-            if next(calls) >= count:
-                ch.basic_publish(exchange, routing_key, body, props, mandatory)
-            else:
-                ch._impl.basic_publish(exchange, routing_key, body, props, mandatory)
-
-        return publish
+        assert ch is not None
+        return ch._impl.basic_publish  # type: ignore[no-any-return]
 
     def _wait(self, pend: _Pending, deadline: float) -> None:
         """Process I/O until every confirm of ``pend`` arrived or ``deadline`` passed.
