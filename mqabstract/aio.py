@@ -62,6 +62,8 @@ T = TypeVar("T")
 
 #: Longest single wait of a ``receive`` on a pool thread (seconds).
 SLICE = 0.5
+#: Batches of concurrent publishes in flight at once (each on an I/O thread).
+SENDERS = 3
 #: I/O threads per broker by default: waiting receives and other calls share them.
 IO_THREADS = 16
 
@@ -462,8 +464,9 @@ class AsyncBroker:
         self.broker = broker  #: the sync broker underneath
         self._run = run
         self._outbox: list[tuple[Envelope, asyncio.Future[str]]] = []
-        self._sender: asyncio.Task[None] | None = None
-        self._busy = False  # a lone publish is in flight (others queue for the sender)
+        self._senders = 0  # tasks sending queued publishes (at most SENDERS)
+        self._tasks: set[asyncio.Task[None]] = set()  # (referenced while they run)
+        self._busy = False  # a lone publish is in flight (others queue for the senders)
 
     url = property(lambda self: self.broker.url)
     backend = property(lambda self: self.broker.backend)
@@ -496,7 +499,7 @@ class AsyncBroker:
         broker._check_open()
         env = broker._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
                                broker._now())
-        if not self._busy:  # nothing in flight: this one goes at once, others queue behind
+        if not (self._busy or self._senders):  # alone: at once; others queue behind it
             self._busy = True
             try:
                 await self._run(broker._send_envelopes, (env,))
@@ -504,17 +507,19 @@ class AsyncBroker:
                 raise err.failed.get(0, err) from None
             finally:
                 self._busy = False
-                if self._outbox and self._sender is None:
-                    self._sender = asyncio.create_task(self._send())
             return env.id
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._outbox.append((env, done))
-        if self._sender is None:
-            self._sender = asyncio.create_task(self._send())
+        if self._senders < SENDERS:
+            self._senders += 1
+            self._tasks.add(task := asyncio.create_task(self._send()))
+            task.add_done_callback(self._tasks.discard)
         return await done
 
     async def _send(self) -> None:
-        """Send what the publishes queued, many per I/O call, until nothing is queued."""
+        """Send what the publishes queued, many per I/O call, until nothing is queued (up
+        to ``SENDERS`` of these run at once: the next batch need not wait for the last
+        one's confirms)."""
         try:
             await asyncio.sleep(0)  # publishers awaited together join this batch
             while self._outbox:
@@ -535,7 +540,7 @@ class AsyncBroker:
                 for env, done in batch:
                     _resolve(done, env.id, None)
         finally:
-            self._sender = None
+            self._senders -= 1
 
     async def publish_batch(self, messages: Iterable[Any]) -> list[str]:
         return await self._run(self.broker.publish_batch, list(messages))
