@@ -52,7 +52,7 @@ def test_auto_extend_keeps_a_handler_three_times_the_lease_long_from_redelivery(
         calls.append((msg.id, msg.attempt))
         time.sleep(3 * lease)
 
-    stats = sub.consume(slow, concurrency=2, idle_timeout=4 * lease, wait=lease / 4)
+    stats = sub.consume(slow, concurrency=2, idle_timeout=3 * lease + 0.5, wait=lease / 4)
     assert calls == [(mid, 1)], calls
     assert stats.acked == 1 and stats.expired == 0 and stats.extended >= 2, stats
     mq_ctx.expect_none(sub)

@@ -51,7 +51,7 @@ from .consuming import (
     check_handler,
     renew,
 )
-from .errors import InvalidArgument, MQError, PublishError
+from .errors import Closed, InvalidArgument, MQError, PublishError
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 
 __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
@@ -287,7 +287,7 @@ class _TaskConsume:
     async def _changes(self, timeout: float = 0.1) -> None:
         """Until a handler finishes (or ``timeout``: the stop flag is polled)."""
         self.changed.clear()
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.changed.wait(), timeout)
 
     async def run(self, signals: bool) -> ConsumeStats:
@@ -308,11 +308,13 @@ class _TaskConsume:
             while self.flight.held and not self.stopping():  # ended by itself: finish all
                 await self._changes()
         finally:
-            await self._wind_down()
-            if renewer is not None:
-                renewer.cancel()
-            for sig in installed:
-                events.remove_signal_handler(sig)
+            try:
+                await self._wind_down()
+            finally:  # even when the grace period is cancelled
+                if renewer is not None:
+                    renewer.cancel()
+                for sig in installed:
+                    events.remove_signal_handler(sig)
         return self.loop.stats
 
     async def _feed(self) -> None:
@@ -330,7 +332,7 @@ class _TaskConsume:
             try:
                 got = await asub.receive(want, min(wait, SLICE))
             except MQError as exc:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asub._stop.wait(), loop.failed(exc, self.sub.closed))
                 continue
             loop.got([m.message for m in got])
@@ -347,15 +349,16 @@ class _TaskConsume:
         later = False
         try:
             invalid = self.sub._invalid(msg)
+            exc: Exception | None = None
+            if invalid is None:
+                try:
+                    await self.handler(AsyncMessage(msg, self.asub))
+                except Exception as raised:
+                    exc = raised
+            if not self.flight.settle(msg):
+                return
             if invalid is not None:
                 names = await self.run_io(self.sub._reject, msg, invalid)
-                return
-            exc: Exception | None = None
-            try:
-                await self.handler(AsyncMessage(msg, self.asub))
-            except Exception as raised:
-                exc = raised
-            if not self.flight.settle(msg):
                 return
             if exc is None and not msg.settled:  # the common case: acked with others
                 self.acks.append(msg)
@@ -366,6 +369,8 @@ class _TaskConsume:
             names = await self.run_io(self.sub._outcome, msg, exc, self.loop.backoff)
         except MQError as exc:  # the broker refused the settle: the lease brings it back
             log.warning("consume: settling %s failed: %s", msg.id, exc)
+        except Exception:  # a bug: logged, the lease brings the message back
+            log.exception("consume: handling %s failed", msg.id)
         finally:
             self.tasks.pop(id(msg), None)
             if later:
@@ -398,8 +403,11 @@ class _TaskConsume:
                     await self.run_io(self.sub.ack_many, batch)
                 except MQError as exc:  # LeaseExpired names the late ones; others were acked
                     log.warning("consume: acking %d messages: %s", len(batch), exc)
-                for msg in batch:
-                    self._done(msg, ("acked",) if msg._state == "acked" else ("expired",))
+                finally:  # (unacked ones come back with their lease)
+                    for msg in batch:
+                        state = msg._state
+                        self._done(msg, ("acked",) if state == "acked" else
+                                   ("expired",) if state == "expired" else ())
         finally:
             self.flusher = None
 
@@ -440,7 +448,7 @@ class _TaskConsume:
 
             clock.on_advance(poke)
         while True:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), self.loop.tick)
             wake.clear()
             for msg in self.loop.due(now()):
@@ -520,6 +528,7 @@ class AsyncBroker:
         """Send what the publishes queued, many per I/O call, until nothing is queued (up
         to ``SENDERS`` of these run at once: the next batch need not wait for the last
         one's confirms)."""
+        batch: list[tuple[Envelope, asyncio.Future[str]]] = []
         try:
             await asyncio.sleep(0)  # publishers awaited together join this batch
             while self._outbox:
@@ -539,6 +548,12 @@ class AsyncBroker:
                     continue
                 for env, done in batch:
                     _resolve(done, env.id, None)
+        except BaseException:  # cancelled (the loop is closing): nobody may wait forever
+            gone = Closed("the publish was cancelled with its event loop")
+            for env, done in [*batch, *self._outbox]:
+                _resolve(done, env.id, gone)
+            self._outbox = []
+            raise
         finally:
             self._senders -= 1
 

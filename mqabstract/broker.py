@@ -282,14 +282,24 @@ class Message:
             raise _ran_out((self,))
 
     def _begin(self, op: str) -> bool:
-        """Mark the message settled by ``op``; False if it already was by the same op."""
-        self._sub._check_open()
-        if self._state == op:
-            return False
-        if self.settled:
-            raise AlreadySettled(f"message {self.id} was already {self._state}")
-        self._check_lease()
-        self._state = op
+        """Mark the message settled by ``op``; False if it already was by the same op.
+        Atomic (under the subscription's lock): a consume loop may hand the message back
+        from another thread at the same moment, and only one of the two may reach the
+        broker."""
+        sub = self._sub
+        sub._check_open()
+        with sub._lock:
+            state = self._state
+            if state == op:
+                return False
+            if state is not None and state != "expired":
+                raise AlreadySettled(f"message {self.id} was already {state}")
+            late = state == "expired" or sub._broker._monotonic() >= self._deadline
+            self._state = "expired" if late else op
+            if late:
+                sub._unsettled.discard(self)
+        if late:
+            raise _ran_out((self,))
         return True
 
     def _driver_settle(self, settle: Callable[..., None], *args: Any) -> None:
@@ -447,19 +457,21 @@ class Subscription:
         now = self._broker._monotonic()
         todo: list[Message] = []
         late: list[Message] = []
-        for msg in batch:
-            if msg._state is None and now < msg._deadline:
-                msg._state = "acked"
-                todo.append(msg)
-            elif msg._state != "acked":
-                msg._state = "expired"
-                late.append(msg)
-        with self._lock:
+        with self._lock:  # atomic with a hand-back from another thread (see _begin)
             discard = self._unsettled.discard
-            for msg in todo:
-                discard(msg)
-            for msg in late:
-                discard(msg)
+            for msg in batch:
+                state = msg._state
+                if state is None and now < msg._deadline:
+                    msg._state = "acked"
+                    todo.append(msg)
+                    discard(msg)
+                elif state == "acked":
+                    continue
+                elif state is None or state == "expired":
+                    msg._state = "expired"
+                    late.append(msg)
+                    discard(msg)
+                # else: handed back meanwhile by a stopping consume loop: it comes again
         if todo:
             try:
                 with self._broker._guard:
@@ -640,13 +652,15 @@ class Subscription:
         receive). Never dead-letters; a message whose lease is gone is left to expire."""
         now = self._broker._monotonic()
         for msg in messages:
-            if msg._state is None and now < msg._deadline:  # a stale release never goes out
+            with self._lock:  # atomic with a settle from another thread (see Message._begin)
+                if msg._state is not None or now >= msg._deadline:
+                    continue  # settled meanwhile, or stale: a stale release never goes out
                 msg._state = "released"
-                self._forget(msg)
-                try:
-                    self._inner.nack(msg._receipt, 0.0)
-                except Exception as exc:  # the connection may be gone; leases expire anyway
-                    log.debug("release of %s failed: %s", msg.id, redact(str(exc)))
+                self._unsettled.discard(msg)
+            try:
+                self._inner.nack(msg._receipt, 0.0)
+            except Exception as exc:  # the connection may be gone; leases expire anyway
+                log.debug("release of %s failed: %s", msg.id, redact(str(exc)))
 
     def __enter__(self) -> Subscription:
         return self

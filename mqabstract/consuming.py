@@ -162,6 +162,14 @@ class Flight:
                         if (key := self._keyed(m)) is not None}
         return out
 
+    def unstart(self, msg: Message) -> list[Message]:
+        """Stopping: ``msg`` was taken but its handler never began; it and every message
+        still waiting are to be handed back."""
+        if self.running.pop(id(msg), None) is None:
+            return []
+        del self.held[id(msg)]
+        return [msg, *self.drop_waiting()]
+
     def drop_running(self) -> list[Message]:
         """Grace is over: the running messages whose handler has not returned."""
         out = [m for k, m in self.running.items() if k not in self.settling]
@@ -339,10 +347,12 @@ class ThreadedConsume:
                                        daemon=True)
             renewer.start()
         try:
-            self._feed()
-            self._finish()
-        finally:
-            self._wind_down()
+            try:
+                self._feed()
+                self._finish()
+            finally:
+                self._wind_down()
+        finally:  # even when a second Ctrl-C interrupts the grace period
             self.ended.set()
             self.wake.set()
             if renewer is not None:
@@ -389,22 +399,31 @@ class ThreadedConsume:
 
     def _handle(self, msg: Message) -> None:
         names: Sequence[str] = ()
+        with self.cond:  # queued on the pool when the stop came: never started
+            back = self.flight.unstart(msg) if self.stopping() else None
+            self.cond.notify_all()
+        if back is not None:
+            self._hand_back(back, "not started")
+            return
         try:
             invalid = self.sub._invalid(msg)
-            if invalid is not None:
-                names = self.sub._reject(msg, invalid)
-                return
-            exc: Exception | None = None
-            try:
-                self.handler(msg)
-            except Exception as raised:
-                exc = raised
+            if invalid is None:
+                exc: Exception | None = None
+                try:
+                    self.handler(msg)
+                except Exception as raised:
+                    exc = raised
             with self.cond:
                 if not self.flight.settle(msg):  # handed back at the end of grace
                     return
-            names = self.sub._outcome(msg, exc, self.loop.backoff)
+            if invalid is not None:
+                names = self.sub._reject(msg, invalid)
+            else:
+                names = self.sub._outcome(msg, exc, self.loop.backoff)
         except MQError as exc:  # the broker refused the settle: the lease brings it back
             log.warning("consume: settling %s failed: %s", msg.id, exc)
+        except Exception:  # a bug: logged (a pool would drop it), the lease brings it back
+            log.exception("consume: handling %s failed", msg.id)
         finally:
             with self.cond:
                 self.loop.count(names)
@@ -446,11 +465,16 @@ class ThreadedConsume:
         seconds = self.loop.extend_by
         assert seconds is not None
         now = self.sub._broker._monotonic
+        stopped_at = None
         while not self.ended.is_set():
             self.wake.wait(self.loop.tick)
             self.wake.clear()
             if self.ended.is_set():
                 return
+            if self.stopping():  # a handler on the calling thread cannot be handed back:
+                stopped_at = stopped_at or time.monotonic()  # its lease runs out instead
+                if time.monotonic() - stopped_at > self.loop.grace:
+                    return
             with self.cond:
                 due = self.loop.due(now())
             renewed = sum(renew(msg, seconds) for msg in due)

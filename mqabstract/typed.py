@@ -18,6 +18,7 @@ import json
 import types
 import typing
 import uuid
+from collections import abc
 from decimal import Decimal
 from typing import Any
 
@@ -109,7 +110,13 @@ class Model:
                 from None
 
     def _dataclass(self, value: Any) -> Any:
-        return _build(value, self.type, self.type.__name__)
+        try:
+            return _build(value, self.type, self.type.__name__)
+        except InvalidPayload:
+            raise
+        except Exception as exc:  # a number too big for float, a __post_init__, recursion
+            raise InvalidPayload(f"not a valid {self.type.__name__}: {type(exc).__name__}: "
+                                 f"{_one_line(exc)[:200]}") from None
 
 
 def _one_line(exc: Exception) -> str:
@@ -123,6 +130,8 @@ def _fail(path: str, want: str, value: object) -> InvalidPayload:
 
 def _build(value: Any, hint: Any, path: str) -> Any:
     """``value`` (decoded JSON) checked and converted to the annotation ``hint``."""
+    while hasattr(hint, "__supertype__"):  # typing.NewType
+        hint = hint.__supertype__
     if hint is Any or hint is object:
         return value
     origin = typing.get_origin(hint)
@@ -140,26 +149,26 @@ def _build(value: Any, hint: Any, path: str) -> Any:
                 errors.append(str(exc))
         raise InvalidPayload("; ".join(errors) or f"{path}: no type of the union fits")
     if origin is typing.Literal:
-        if value in args:
+        if any(value == a and type(value) is type(a) for a in args):
             return value
         raise _fail(path, f"one of {list(args)!r}", value)
     if hint is type(None) or hint is None:
         if value is None:
             return None
         raise _fail(path, "null", value)
-    if origin in (list, set, frozenset, tuple) or hint in (list, set, frozenset, tuple):
+    kind = _ARRAYS.get(origin or hint)
+    if kind is not None:
         if not isinstance(value, list):
             raise _fail(path, "an array", value)
-        kind = origin or hint
         if kind is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(args) != len(value):
                 raise _fail(path, f"an array of {len(args)}", value)
             return tuple(_build(v, a, f"{path}[{i}]") for i, (v, a) in
-                         enumerate(zip(args, value, strict=True)))
+                         enumerate(zip(value, args, strict=True)))
         item = args[0] if args else Any
         items = [_build(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-        return kind(items) if kind is not list else items
-    if origin is dict or hint is dict:
+        return items if kind is list else kind(items)
+    if (origin or hint) in _MAPS:
         if not isinstance(value, dict):
             raise _fail(path, "an object", value)
         vt = args[1] if len(args) == 2 else Any
@@ -169,6 +178,8 @@ def _build(value: Any, hint: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build_dataclass(value, hint, path)
     if issubclass(hint, enum.Enum):
+        if isinstance(value, bool) and not any(isinstance(m.value, bool) for m in hint):
+            raise _fail(path, f"a {hint.__name__} value", value)
         try:
             return hint(value)
         except ValueError:
@@ -201,6 +212,12 @@ def _build(value: Any, hint: Any, path: str) -> Any:
         return value
     raise _fail(path, hint.__name__, value)
 
+
+_ARRAYS: dict[Any, type] = {
+    list: list, abc.Sequence: list, abc.MutableSequence: list, tuple: tuple,
+    set: set, abc.Set: set, abc.MutableSet: set, frozenset: frozenset,
+}
+_MAPS = (dict, abc.Mapping, abc.MutableMapping)
 
 _PARSERS: dict[type, Any] = {
     dt.datetime: dt.datetime.fromisoformat,

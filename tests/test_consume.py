@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -415,8 +415,24 @@ def test_models_round_trip_and_invalid_payloads_are_dead_lettered_not_retried(
         msg.ack()
 
 
+@dataclass
+class Shapes:
+    pair: tuple[int, str]
+    one: Literal[1]
+    seq: Sequence[int]
+    size: Size
+    ratio: float
+
+
 def test_dataclass_checks_reject_wrong_shapes() -> None:
     from mqabstract.typed import Model
+
+    ok = {"pair": [5, "a"], "one": 1, "seq": [1], "size": "s", "ratio": 1}
+    assert Model(Shapes).load(ok) == Shapes((5, "a"), 1, [1], Size.S, 1.0)
+    for bad in [{**ok, "pair": ["a", 5]}, {**ok, "one": True}, {**ok, "seq": "abc"},
+                {**ok, "size": True}, {**ok, "ratio": 10**400}]:
+        with pytest.raises(mqabstract.InvalidPayload):  # (10**400: OverflowError inside)
+            Model(Shapes).load(bad)
 
     load = Model(Order).load
     base = {"id": 1, "placed": "2026-11-23T12:00:00+00:00", "lines": []}

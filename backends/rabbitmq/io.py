@@ -4,7 +4,6 @@ connections, and the I/O thread (``_Link``) that runs every subscription's conne
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
