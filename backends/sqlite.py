@@ -514,6 +514,11 @@ class SQLiteDriver(Driver):
 
         return self._read(read, "stats")
 
+    def ping(self) -> None:
+        """A query on the database file (its lock and a page read)."""
+        self._read(lambda conn: conn.execute("SELECT count(*) FROM mq_dead").fetchone(),
+                   "ping")
+
     # -- dead letters -----------------------------------------------------------------------
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         def read(conn: sqlite3.Connection) -> list[DeadLetter]:

@@ -131,3 +131,12 @@ def test_unreachable_broker_fails_fast_with_redacted_url(mq_ctx: Ctx) -> None:
     assert info.value.retryable
     if parsed.password:
         assert f":{parsed.password}@" not in str(info.value)
+
+
+def test_ping_is_a_round_trip_and_closed_brokers_refuse_it(mq_ctx: Ctx) -> None:
+    broker = mq_ctx.connect()
+    took = [broker.ping() for _ in range(3)]
+    assert all(0 <= t < mq_ctx.wait for t in took), took
+    broker.close()
+    with pytest.raises(mqabstract.Closed):
+        broker.ping()

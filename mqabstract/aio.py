@@ -582,6 +582,10 @@ class AsyncBroker:
     async def purge_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:
         return await self._run(self.broker.purge_dead_letters, group, ids)
 
+    async def ping(self) -> float:
+        """``Broker.ping``: one round trip to the broker; the seconds it took."""
+        return await self._run(self.broker.ping)
+
     async def stats(self, group: str) -> GroupStats:
         return await self._run(self.broker.stats, group)
 

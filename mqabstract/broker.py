@@ -1154,6 +1154,15 @@ class Broker:
         self._require(Feature.DEAD_LETTER)
         return int(self._group_call(self._driver.purge_dead_letters, group, _ids(ids)))
 
+    def ping(self) -> float:
+        """One round trip to the broker (for liveness and readiness probes); the seconds it
+        took. Raises ``ConnectionFailed`` or ``Timeout`` when the broker does not answer."""
+        self._check_open()
+        start = time.perf_counter()
+        with self._guard:
+            self._driver.ping()
+        return time.perf_counter() - start
+
     def stats(self, group: str) -> GroupStats:
         """Counts of ready, leased, delayed and dead messages in ``group``."""
         return self._group_call(self._driver.stats, group)  # type: ignore[no-any-return]

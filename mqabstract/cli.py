@@ -313,6 +313,24 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 # -- stats / dlq -------------------------------------------------------------------------------
+def cmd_ping(args: argparse.Namespace) -> int:
+    """Connect and make ``--count`` round trips: exit 0 when the broker answered, 3 when it
+    could not be reached (a liveness/readiness probe)."""
+    if args.count < 1:
+        raise UsageError("--count must be ≥ 1")
+    with _connect(args) as mq:
+        times = [mq.ping() for _ in range(args.count)]
+        backend, where = mq.backend, mq.url
+    best, worst = min(times) * 1000, max(times) * 1000
+    if args.json:
+        _emit({"ok": True, "backend": backend, "url": where, "round_trips": len(times),
+               "min_ms": round(best, 3), "max_ms": round(worst, 3)}, sys.stdout)
+    else:
+        sys.stdout.write(f"ok {backend} {where}: {len(times)} round trip(s), "
+                         f"{best:.2f} to {worst:.2f} ms\n")
+    return EXIT_OK
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with _connect(args) as mq:
         rows = [mq.stats(group) for group in args.groups]
@@ -691,6 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="visibility timeout of the group (default 30)")
         p.add_argument("--max-attempts", type=int, default=5, metavar="N",
                        help="deliveries before a message is dead-lettered (default 5)")
+
+    p = add("ping", cmd_ping, "one round trip to the broker: exit 0 if it answers, 3 if not")
+    p.add_argument("--count", type=int, default=1, metavar="N", help="round trips (default 1)")
+    p.add_argument("--json", action="store_true", help="a JSON line instead of text")
 
     p = add("stats", cmd_stats, "message counts per group: ready, leased, delayed, dead")
     p.add_argument("groups", nargs="+", metavar="GROUP")

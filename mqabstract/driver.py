@@ -110,6 +110,11 @@ class Driver(abc.ABC):
     def stats(self, group: str) -> GroupStats:
         return GroupStats(group, None, None, None, None)
 
+    @abc.abstractmethod
+    def ping(self) -> None:
+        """One round trip to the broker (the cheapest request it answers); raises when it
+        does not answer. For a health probe: nothing is created or changed."""
+
     def delete_group(self, group: str) -> None:
         """Remove a group, its queued messages and its dead letters."""
         raise Unsupported("deleting groups is not supported by this backend")

@@ -296,6 +296,24 @@ def test_unreachable_broker_exits_3_fast_without_secret():
     assert b"Traceback" not in both
 
 
+def test_ping_answers_with_round_trips(capsys, url):
+    code, out, err = run(capsys, "ping", "--url", url, "--count", "3", "--json")
+    assert code == 0, err
+    [line] = lines(out)
+    assert line["ok"] and line["backend"] == "sqlite" and line["round_trips"] == 3
+    assert 0 <= line["min_ms"] <= line["max_ms"]
+    code, out, _ = run(capsys, "ping", "--url", url)
+    assert code == 0 and out.startswith("ok sqlite ")
+    assert run(capsys, "ping", "--url", url, "--count", "0")[0] == cli.EXIT_USAGE
+
+
+def test_ping_of_an_unreachable_broker_exits_3_without_secret():
+    proc = mqa_proc("ping", "--url", "amqp://guest:secret@127.0.0.1:1/", timeout=30)
+    assert proc.returncode == 3
+    both = proc.stdout + proc.stderr
+    assert b"secret" not in both and b"Traceback" not in both
+
+
 def test_unknown_scheme_exits_2_listing_schemes():
     proc = mqa_proc("stats", "g", env={"MQ_URL": "nosuch://x"})
     assert proc.returncode == 2

@@ -577,6 +577,11 @@ class KafkaDriver(Driver):
             self.send_one(Outgoing(self.dead_topic(group), None, rec.key, []))
         return len(picked)
 
+    def ping(self) -> None:
+        """A metadata request (the topic list): one round trip to a broker of the cluster."""
+        self._check()
+        self.admin.list_topics()
+
     def stats(self, group: str) -> GroupStats:
         self._check()
         return GroupStats(group, None, None, None, len(self._dead_entries(group)))

@@ -527,6 +527,12 @@ class RabbitMQDriver(Driver):
 
         return self._admin.run(run, f"stats of group {group!r}")  # type: ignore[no-any-return]
 
+    def ping(self) -> None:
+        """A passive declare of a built-in exchange: one AMQP round trip, nothing made."""
+        self._check()
+        self._admin.run(lambda a: a.ch.exchange_declare("amq.topic", "topic", passive=True),
+                        "ping")
+
     def delete_group(self, group: str) -> None:
         self._check()
 

@@ -489,6 +489,10 @@ class SQSDriver(Driver):
         with contextlib.suppress(NotFound):
             self._call("delete", fn, **kwargs)
 
+    def ping(self) -> None:
+        """A queue listing with a prefix no queue has: one request, nothing made."""
+        self._call("ping", self._sqs.list_queues, QueueNamePrefix="mqabstract-ping-none")
+
     def stats(self, group: str) -> GroupStats:
         g = self._lookup(group)
         names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
