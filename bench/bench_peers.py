@@ -221,6 +221,15 @@ def timed(n: int, call: Callable[[], object]) -> float:
     return n / (time.perf_counter() - start)
 
 
+async def faststream_consume(broker: Any, count: Counter) -> float:
+    """Start a FastStream broker whose subscriber ticks ``count``; its rate once all came."""
+    assert count.done is not None
+    await broker.start()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(count.done.wait(), WAIT)
+    return count.rate()
+
+
 async def atimed(n: int, call: Callable[[], Awaitable[object]]) -> float:
     start = time.perf_counter()
     await call()
@@ -481,13 +490,7 @@ async def faststream_rabbit(run: Run) -> None:
         t.note(BATCH, col, "no batch publish for RabbitMQ: see concurrent")
         await t.arun(CONCURRENT, col, lambda: atimed(run.n, lambda: gather_bounded(run.n, one)))
 
-        async def consume() -> float:
-            assert count.done is not None
-            await broker.start()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(count.done.wait(), WAIT)
-            return count.rate()
-        await t.arun(CONSUME, col, consume)
+        await t.arun(CONSUME, col, lambda: faststream_consume(broker, count))
 
 
 def bench_rabbitmq(run: Run) -> None:
@@ -773,13 +776,7 @@ async def faststream_kafka(run: Run, kafka: Kafka) -> None:
         await t.arun(BATCH, col, lambda: atimed(run.n, batches))
         await t.arun(CONCURRENT, col, lambda: atimed(run.n, lambda: gather_bounded(run.n, one)))
 
-        async def consume() -> float:
-            assert count.done is not None
-            await broker.start()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(count.done.wait(), WAIT)
-            return count.rate()
-        await t.arun(CONSUME, col, consume)
+        await t.arun(CONSUME, col, lambda: faststream_consume(broker, count))
 
 
 def bench_kafka(run: Run) -> None:

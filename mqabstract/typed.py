@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import enum
+import functools
 import json
 import types
 import typing
@@ -90,7 +91,7 @@ class Model:
         elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
             self.load = self._dataclass
             try:
-                typing.get_type_hints(tp)
+                _shape(tp)
             except Exception as exc:
                 raise InvalidArgument(f"model {tp.__name__}: annotations do not resolve: "
                                       f"{exc}") from None
@@ -227,11 +228,18 @@ _PARSERS: dict[type, Any] = {
 }
 
 
+@functools.cache
+def _shape(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
+    """A dataclass's resolved annotations and its init fields: once per class, not per
+    message (resolving annotations evaluates their strings)."""
+    return (typing.get_type_hints(cls),
+            {f.name: f for f in dataclasses.fields(cls) if f.init})
+
+
 def _build_dataclass(value: Any, cls: type, path: str) -> Any:
     if not isinstance(value, dict):
         raise _fail(path, f"an object for {cls.__name__}", value)
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints, known = _shape(cls)
     unknown = sorted(set(value) - set(known))
     if unknown:
         raise InvalidPayload(f"{path}: unknown fields {unknown}")

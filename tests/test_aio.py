@@ -80,6 +80,17 @@ async def _noop(msg: aio.AsyncMessage) -> None:
     return None
 
 
+async def heartbeat(gaps: list[float], stop: asyncio.Event) -> None:
+    """Tick every 10 ms until ``stop``, recording the gaps between ticks: a loop blocked by
+    broker I/O shows up as a long gap."""
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+
+
 def test_loop_keeps_ticking_while_receives_wait(tmp_path: Path) -> None:
     """A heartbeat task keeps its 10 ms cadence while receives wait on an empty group."""
 
@@ -88,16 +99,7 @@ def test_loop_keeps_ticking_while_receives_wait(tmp_path: Path) -> None:
             subs = [await mq.subscribe("g", "a.#") for _ in range(3)]
             gaps: list[float] = []
             stop = asyncio.Event()
-
-            async def heartbeat() -> None:
-                last = time.monotonic()
-                while not stop.is_set():
-                    await asyncio.sleep(0.01)
-                    now = time.monotonic()
-                    gaps.append(now - last)
-                    last = now
-
-            beat = asyncio.create_task(heartbeat())
+            beat = asyncio.create_task(heartbeat(gaps, stop))
             waited = await asyncio.gather(*(s.receive(1, 1.5) for s in subs))
             stop.set()
             await beat
@@ -190,16 +192,7 @@ def test_loop_keeps_ticking_while_a_broker_stalls() -> None:
     async def main() -> None:
         gaps: list[float] = []
         stop = asyncio.Event()
-
-        async def heartbeat() -> None:
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        beat = asyncio.create_task(heartbeat())
+        beat = asyncio.create_task(heartbeat(gaps, stop))
         start = time.monotonic()
         with pytest.raises(mqabstract.MQError) as err:
             await aio.connect(f"amqp://guest:guest@127.0.0.1:{port}/?connect_timeout=1.5")
