@@ -20,7 +20,7 @@ class Ctx:
     """What a scenario needs: the broker, unique names, timing, and cleanup at teardown."""
 
     def __init__(self, url: str, broker: Broker, scale: float = 1.0,
-                 connect: Callable[[str], Broker] = mqabstract.connect) -> None:
+                 connect: Callable[..., Broker] = mqabstract.connect) -> None:
         self._connect = connect
         self.url = url
         self.broker = broker
@@ -62,9 +62,9 @@ class Ctx:
         return f"mqc-{self.token}-{name}"
 
     # -- resources -----------------------------------------------------------------------
-    def connect(self) -> Broker:
+    def connect(self, **options: Any) -> Broker:
         """A second, independent connection to the same URL (closed at teardown)."""
-        broker = self._connect(self.url)
+        broker = self._connect(self.url, **options)
         self._brokers.append(broker)
         return broker
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from .errors import (
     InvalidURL,
     LeaseExpired,
     MessageTooLarge,
+    MiddlewareError,
     MissingDependency,
     MQError,
     NotFound,
@@ -41,6 +43,7 @@ from .errors import (
     Unsupported,
     ValidationError,
 )
+from .middleware import Chain, Middleware, Publishing
 from .model import DeadLetter, GroupSpec, GroupStats, OutgoingMessage
 from .registry import register
 from .url import BrokerURL
@@ -72,10 +75,13 @@ __all__ = [
     "MQError",
     "Message",
     "MessageTooLarge",
+    "Middleware",
+    "MiddlewareError",
     "MissingDependency",
     "NotFound",
     "OutgoingMessage",
     "PublishError",
+    "Publishing",
     "Subscription",
     "Support",
     "SystemClock",
@@ -105,15 +111,19 @@ def default_url() -> str:
     return f"sqlite:///{Path(home, 'default.db').resolve()}"
 
 
-def connect(url: str | None = None, **options: Any) -> Broker:
+def connect(url: str | None = None, *, middleware: Sequence[Middleware] = (),
+            **options: Any) -> Broker:
     """Open a broker by URL: the argument, else ``$MQ_URL``, else the embedded default.
 
     Options may be given as URL query parameters or keywords (keywords win); each backend
-    rejects options it does not know. Raises ``InvalidURL`` for unknown schemes (listing
+    rejects options it does not know. ``middleware`` (``mqabstract.Middleware``, the
+    first outermost) runs around every publish and handled message, e.g.
+    ``mqabstract.otel.OpenTelemetry()``. Raises ``InvalidURL`` for unknown schemes (listing
     the known ones) and ``ConnectionFailed`` (with the URL redacted) when unreachable.
     """
+    chain = Chain(middleware)
     raw = url or os.environ.get("MQ_URL") or default_url()
     parsed = BrokerURL.parse(raw)
     driver_cls = registry.resolve(parsed.scheme)
     driver = driver_cls.open(parsed, options)
-    return Broker(driver, parsed)
+    return Broker(driver, parsed, chain)

@@ -39,7 +39,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from . import connect as _connect_sync
-from .broker import Broker, Message, Subscription
+from .broker import Broker, Message, Subscription, _batch_publishing, _with
 from .capabilities import Capabilities
 from .checks import check_count as _check_count
 from .checks import check_seconds as _check_seconds
@@ -52,6 +52,7 @@ from .consuming import (
     renew,
 )
 from .errors import Closed, InvalidArgument, MQError, PublishError
+from .middleware import Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 
 __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
@@ -280,6 +281,7 @@ class _TaskConsume:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.acks: list[Message] = []  # handlers returned: to ack in the next batch
         self.flusher: asyncio.Task[None] | None = None
+        self.chain = self.sub._broker._chain
 
     def stopping(self) -> bool:
         return self.asub._stop.is_set() or self.sub.closed
@@ -352,7 +354,11 @@ class _TaskConsume:
             exc: Exception | None = None
             if invalid is None:
                 try:
-                    await self.handler(AsyncMessage(msg, self.asub))
+                    if self.chain.handlers:
+                        await self.chain.ahandle(
+                            msg, lambda: self.handler(AsyncMessage(msg, self.asub)))
+                    else:
+                        await self.handler(AsyncMessage(msg, self.asub))
                 except Exception as raised:
                     exc = raised
             if not self.flight.settle(msg):
@@ -505,6 +511,22 @@ class AsyncBroker:
         """
         broker = self.broker
         broker._check_open()
+        chain = broker._chain
+        if chain.publishers:
+            pub = Publishing(broker.backend, topic if isinstance(topic, str) else None, 1)
+
+            async def send() -> list[str]:
+                return [await self._publish(
+                    topic, body, _with(pub.headers, headers), key, priority, delay,
+                    deliver_at, id)]
+
+            return (await chain.apublish(pub, send))[0]
+        return await self._publish(topic, body, headers, key, priority, delay, deliver_at, id)
+
+    async def _publish(self, topic: str, body: Any, headers: Mapping[str, str] | None,
+                       key: str | None, priority: int | None, delay: float | None,
+                       deliver_at: datetime | None, id: str | None) -> str:
+        broker = self.broker
         env = broker._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
                                broker._now())
         if not (self._busy or self._senders):  # alone: at once; others queue behind it
@@ -558,11 +580,32 @@ class AsyncBroker:
             self._senders -= 1
 
     async def publish_batch(self, messages: Iterable[Any]) -> list[str]:
-        return await self._run(self.broker.publish_batch, list(messages))
+        """``Broker.publish_batch`` (middleware scopes entered on this task)."""
+        broker = self.broker
+        items = list(messages)
+        if not broker._chain.publishers:
+            return await self._run(broker.publish_batch, items)
+        broker._check_open()
+        pub = _batch_publishing(broker.backend, items)
+        return await broker._chain.apublish(
+            pub, lambda: self._run(broker._publish_batch, items, pub.headers))
 
-    async def publish_columns(self, topic: str, bodies: Sequence[Any], **columns: Any
-                              ) -> list[str]:
-        return await self._run(self.broker.publish_columns, topic, bodies, **columns)
+    async def publish_columns(
+        self, topic: str, bodies: Sequence[Any], *, ids: Sequence[str] | None = None,
+        keys: Sequence[str | None] | None = None, headers: Mapping[str, str] | None = None,
+        row_headers: Sequence[Mapping[str, str] | None] | None = None,
+    ) -> list[str]:
+        """``Broker.publish_columns`` (middleware scopes entered on this task)."""
+        broker = self.broker
+        if not broker._chain.publishers:
+            return await self._run(broker.publish_columns, topic, bodies, ids=ids, keys=keys,
+                                   headers=headers, row_headers=row_headers)
+        broker._check_open()
+        pub = Publishing(broker.backend, topic if isinstance(topic, str) else None,
+                         len(bodies) if isinstance(bodies, Sequence) else 0)
+        return await broker._chain.apublish(pub, lambda: self._run(
+            broker._publish_columns, topic, bodies, ids, keys, _with(pub.headers, headers),
+            row_headers))
 
     async def declare(self, group: str, pattern: str, **options: Any) -> GroupSpec:
         """``Broker.declare``: create the durable group (idempotent)."""

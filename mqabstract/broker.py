@@ -43,6 +43,7 @@ from .errors import (
     PublishError,
     ValidationError,
 )
+from .middleware import NO_MIDDLEWARE, Chain, Publishing
 from .model import (
     Columns,
     DeadLetter,
@@ -203,6 +204,38 @@ class _Guard:
         raise _translate(exc, self.backend) from exc
 
 
+class _Settling:
+    """``Broker._guard`` around a driver settle call that also tells the middleware's
+    ``settled`` notices how it went (a class: it sits on the ack path)."""
+
+    __slots__ = ("guard", "messages", "op", "started", "sub")
+
+    def __init__(self, sub: Subscription, op: str,
+                 messages: Callable[[], Sequence[Message]]) -> None:
+        self.sub, self.op, self.messages = sub, op, messages
+        self.guard = sub._broker._guard
+        self.started = sub._broker._chain.now()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None, tb: Any
+                 ) -> Literal[False]:
+        error: MQError | None = None
+        try:
+            self.guard.__exit__(tp, exc, tb)
+        except MQError as translated:
+            error = translated
+            raise
+        finally:
+            chain = self.sub._broker._chain
+            if chain.settlers and not isinstance(exc, LeaseExpired):
+                if error is None and isinstance(exc, MQError):
+                    error = exc
+                chain.settled(self.sub, self.op, self.messages(), self.started, error)
+        return False
+
+
 class Message:
     """A received message, leased to this consumer until settled or the lease expires.
 
@@ -260,6 +293,11 @@ class Message:
         return self._value
 
     @property
+    def group(self) -> str:
+        """The group it was delivered to."""
+        return self._sub.spec.name
+
+    @property
     def published_at(self) -> datetime:
         """When the publisher sent it (UTC)."""
         return utc(self._published_ts)
@@ -279,6 +317,7 @@ class Message:
         if self._state == "expired" or self._sub._broker._monotonic() >= self._deadline:
             self._state = "expired"
             self._sub._forget(self)
+            self._sub._gone((self,))
             raise _ran_out((self,))
 
     def _begin(self, op: str) -> bool:
@@ -299,6 +338,7 @@ class Message:
             if late:
                 sub._unsettled.discard(self)
         if late:
+            sub._gone((self,))
             raise _ran_out((self,))
         return True
 
@@ -309,6 +349,7 @@ class Message:
             settle(self, *args)
         except LeaseExpired:
             self._state = "expired"
+            self._sub._gone((self,))
             raise
 
     def ack(self) -> None:
@@ -391,6 +432,8 @@ class Subscription:
         _check_count(max_messages, "max_messages")
         wait = _check_seconds(wait, "wait", math.inf)
         caps = self._broker.capabilities
+        chain = self._broker._chain
+        started = chain.now()
         deadline = time.monotonic() + wait
         out: list[Message] = []
         spec = self.spec
@@ -424,12 +467,24 @@ class Subscription:
         if out:
             with self._lock:
                 self._unsettled.update(out)
+            if chain.receivers:
+                chain.received(self, out, started)
         return out
 
     def _expire(self, delivery: Delivery) -> None:
         reason = f"max attempts ({self.spec.max_attempts}) exceeded"
-        with self._broker._guard:
+        with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
             self._inner.dead_letter(delivery.receipt, reason, delivery.attempt - 1)
+
+    def _settling(self, op: str, messages: Callable[[], Sequence[Message]]) -> _Settling:
+        """The guard around a driver settle call, telling middleware how it ended."""
+        return _Settling(self, op, messages)
+
+    def _gone(self, messages: Sequence[Message]) -> None:
+        """Tell middleware these messages' leases ran out before they were settled."""
+        chain = self._broker._chain
+        if chain.settlers and messages:
+            chain.settled(self, "expired", messages, chain.now())
 
     # -- settlement (called by Message) ---------------------------------------------------
     def _forget(self, msg: Message) -> None:
@@ -474,13 +529,17 @@ class Subscription:
                 # else: handed back meanwhile by a stopping consume loop: it comes again
         if todo:
             try:
-                with self._broker._guard:
+                with self._settling("ack", lambda: [m for m in todo if m._state == "acked"]):
                     self._inner.ack([msg._receipt for msg in todo])
             except LeaseExpired as exc:
                 stale = set(exc.receipts)
                 for msg in todo:
                     if not stale or msg._receipt in stale:
                         msg._state = "expired"
+                self._gone([m for m in todo if m._state == "expired"])
+                chain = self._broker._chain
+                if chain.settlers and (done := [m for m in todo if m._state == "acked"]):
+                    chain.settled(self, "ack", done, chain.now())
                 raise
             except BaseException:
                 # Not acked (as far as anyone knows): unsettled again, the caller may retry
@@ -491,6 +550,7 @@ class Subscription:
                         self._unsettled.add(msg)
                 raise
         if late:
+            self._gone(late)
             raise _ran_out(late)
 
     def _check_nack(self, delay: object) -> None:
@@ -502,18 +562,19 @@ class Subscription:
 
     def _settle_nack(self, msg: Message, delay: float) -> None:
         self._forget(msg)
-        with self._broker._guard:
-            if msg.attempt >= self.spec.max_attempts and self._broker.capabilities.supports(
-                Feature.DEAD_LETTER
-            ):
-                reason = f"nacked on final attempt ({msg.attempt} of {self.spec.max_attempts})"
+        if msg.attempt >= self.spec.max_attempts and self._broker.capabilities.supports(
+            Feature.DEAD_LETTER
+        ):
+            reason = f"nacked on final attempt ({msg.attempt} of {self.spec.max_attempts})"
+            with self._settling("dead_letter", lambda: (msg,)):
                 self._inner.dead_letter(msg._receipt, reason, msg.attempt)
-            else:
+        else:
+            with self._settling("nack", lambda: (msg,)):
                 self._inner.nack(msg._receipt, delay)
 
     def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None:
         self._forget(msg)
-        with self._broker._guard:
+        with self._settling("dead_letter", lambda: (msg,)):
             self._inner.dead_letter(msg._receipt, reason[:1000], attempts)
 
     def _extend(self, msg: Message, seconds: object) -> None:
@@ -571,7 +632,7 @@ class Subscription:
         self._check_open()
         self._stop.clear()
         with stop_on_signals(signals, self._stop.set):
-            return ThreadedConsume(self, handler, loop, stop).run()
+            return ThreadedConsume(self, self._broker._chain.wrap(handler), loop, stop).run()
 
     def _invalid(self, msg: Message) -> str | None:
         """Why ``msg``'s payload fails the subscription's model (None: it fits, or there is
@@ -658,7 +719,8 @@ class Subscription:
                 msg._state = "released"
                 self._unsettled.discard(msg)
             try:
-                self._inner.nack(msg._receipt, 0.0)
+                with self._settling("release", lambda m=msg: (m,)):  # type: ignore[misc]
+                    self._inner.nack(msg._receipt, 0.0)
             except Exception as exc:  # the connection may be gone; leases expire anyway
                 log.debug("release of %s failed: %s", msg.id, redact(str(exc)))
 
@@ -676,8 +738,10 @@ class Subscription:
 class Broker:
     """A connection to one backend, chosen by URL. Use ``mqabstract.connect()`` to get one."""
 
-    def __init__(self, driver: Driver, url: BrokerURL) -> None:
+    def __init__(self, driver: Driver, url: BrokerURL, middleware: Chain = NO_MIDDLEWARE
+                 ) -> None:
         self._driver = driver
+        self._chain = middleware
         self._url = url
         self._caps: Capabilities = driver.capabilities
         self._guard = _Guard(driver.name)
@@ -691,6 +755,7 @@ class Broker:
         self._closed = False
         self._lock = threading.Lock()
         self._subs: set[Subscription] = set()
+        middleware.bind(self)
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -854,11 +919,22 @@ class Broker:
         ``id`` defaults to a random UUID; set it to let consumers drop duplicates.
         """
         self._check_open()
+        chain = self._chain
+        if chain.publishers:
+            pub = Publishing(self.backend, topic if isinstance(topic, str) else None, 1)
+            return chain.publish(pub, lambda: self._publish_one(
+                topic, body, _with(pub.headers, headers), key, priority, delay, deliver_at,
+                id))[0]
+        return self._publish_one(topic, body, headers, key, priority, delay, deliver_at, id)[0]
+
+    def _publish_one(self, topic: str, body: object, headers: Mapping[str, str] | None,
+                     key: str | None, priority: int | None, delay: float | None,
+                     deliver_at: datetime | None, id: str | None) -> list[str]:
         env = self._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
                              self._now())
         with self._guard:
             self._driver.publish((env,))
-        return env.id
+        return [env.id]
 
     def publish_batch(
         self, messages: Iterable[OutgoingMessage | Mapping[str, Any] | tuple[str, Any]]
@@ -872,10 +948,18 @@ class Broker:
         """
         self._check_open()
         items = messages if isinstance(messages, list) else list(messages)
+        chain = self._chain
+        if chain.publishers:
+            pub = _batch_publishing(self.backend, items)
+            return chain.publish(pub, lambda: self._publish_batch(items, pub.headers))
+        return self._publish_batch(items, None)
+
+    def _publish_batch(self, items: list[Any], extra: Mapping[str, str] | None) -> list[str]:
+        """``publish_batch`` without middleware; ``extra``: headers it added."""
         columns = _as_columns(items)
         if columns is not None:
             topic, bodies, ids, keys, rows = columns
-            return self.publish_columns(topic, bodies, ids=ids, keys=keys, row_headers=rows)
+            return self._publish_columns(topic, bodies, ids, keys, extra, rows)
         now = self._now()
         envelopes: list[Envelope] = []
         for index, item in enumerate(items):
@@ -891,8 +975,8 @@ class Broker:
                         "batch items must be OutgoingMessage, a mapping, or (topic, body)"
                     )
                 envelopes.append(
-                    self._envelope(m.topic, m.body, m.headers, m.key, m.priority, m.delay,
-                                   m.deliver_at, m.id, now)
+                    self._envelope(m.topic, m.body, _with(extra, m.headers), m.key,
+                                   m.priority, m.delay, m.deliver_at, m.id, now)
                 )
             except ValidationError as exc:
                 raise type(exc)(str(exc), index=index) from exc
@@ -962,6 +1046,20 @@ class Broker:
         rejects the whole batch with its ``index`` before anything is sent.
         """
         self._check_open()
+        chain = self._chain
+        if chain.publishers:
+            pub = Publishing(self.backend, topic if isinstance(topic, str) else None,
+                             len(bodies) if isinstance(bodies, Sequence) else 0)
+            return chain.publish(pub, lambda: self._publish_columns(
+                topic, bodies, ids, keys, _with(pub.headers, headers), row_headers))
+        return self._publish_columns(topic, bodies, ids, keys, headers, row_headers)
+
+    def _publish_columns(
+        self, topic: str, bodies: Sequence[Any], ids: Sequence[str] | None,
+        keys: Sequence[str | None] | None, headers: Mapping[str, str] | None,
+        row_headers: Sequence[Mapping[str, str] | None] | None,
+    ) -> list[str]:
+        """``publish_columns`` without middleware."""
         names.check_topic(topic)
         if isinstance(bodies, (str, bytes)) or not isinstance(bodies, Sequence):
             raise InvalidArgument("bodies must be a sequence (a list of bytes or str)")
@@ -1189,6 +1287,7 @@ class Broker:
             except Exception as exc:
                 first = first or exc
         self._closed = True
+        self._chain.unbind(self)
         with self._guard:
             self._driver.close()
         if first is not None:
@@ -1202,6 +1301,32 @@ class Broker:
 
     def __repr__(self) -> str:
         return f"Broker({self.url!r}{', closed' if self._closed else ''})"
+
+
+def _with(extra: Mapping[str, str] | None, headers: Mapping[str, str] | None
+          ) -> Mapping[str, str] | None:
+    """A message's headers over those a middleware added (a non-mapping is left for the
+    checks to reject)."""
+    if not extra:
+        return headers
+    if headers is None:
+        return extra
+    return {**extra, **headers} if isinstance(headers, Mapping) else headers
+
+
+def _topic_of(item: object) -> object:
+    if isinstance(item, OutgoingMessage):
+        return item.topic
+    if isinstance(item, tuple) and len(item) == 2:
+        return item[0]
+    return item.get("topic") if isinstance(item, Mapping) else None
+
+
+def _batch_publishing(backend: str, items: list[Any]) -> Publishing:
+    """What middleware sees of a ``publish_batch`` (its topic when all share one)."""
+    topics = {_topic_of(item) for item in items}
+    topic = topics.pop() if len(topics) == 1 else None
+    return Publishing(backend, topic if isinstance(topic, str) else None, len(items))
 
 
 def _ids(ids: Collection[str] | None) -> Collection[str] | None:

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidURL",
     "MQError",
     "MessageTooLarge",
+    "MiddlewareError",
     "MissingDependency",
     "NotFound",
     "PublishError",
@@ -88,6 +89,10 @@ class LeaseExpired(MQError):
 
 class MissingDependency(MQError):
     """A backend's client library is not installed (install the matching extra)."""
+
+
+class MiddlewareError(MQError):
+    """A middleware failed on entering its scope: the call was not made (nothing sent)."""
 
 
 class ValidationError(MQError):
