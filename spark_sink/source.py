@@ -22,10 +22,12 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import (
@@ -76,7 +78,11 @@ OPTIONS = {
     "batch_size": f"messages per publish_batch call (default {DEFAULT_BATCH_SIZE})",
     "job_id": "id prefix for batch writes (default: a random UUID per save()); set it to make "
     "a re-run of the same job produce the same ids",
+    "traceparent": "W3C trace context added to every row's headers (a row's own header "
+    "wins), so consumers continue this trace; e.g. from mqabstract.otel.trace_headers()",
+    "tracestate": "W3C tracestate sent with `traceparent`",
 }
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 #: Keys Spark itself may pass along; accepted and ignored.
 _SPARK_OPTIONS = frozenset({"path", "checkpointlocation", "queryname"})
 
@@ -285,6 +291,7 @@ class _Plan:
     topic: str | None
     kinds: Mapping[str, str]
     batch_size: int
+    trace: Mapping[str, str] = _field(default_factory=dict)  #: traceparent/tracestate
 
     def calls(self, rb: pa.RecordBatch, prefix: str, base: int) -> list[_Call]:
         """One Arrow batch as publish calls, column by column; row ``i`` gets id
@@ -307,6 +314,8 @@ class _Plan:
                                      default=_json_default).encode
             values = [dumps(v).encode("utf-8") for v in values]
             shared = {codec.CONTENT_TYPE: codec.JSON}
+        if self.trace:
+            shared = {**self.trace, **(shared or {})}
         row_headers: list[dict[str, str] | None] | None = None
         if "headers" in cols:
             is_map = self.kinds["headers"] == "map"
@@ -499,7 +508,7 @@ class MQDataSource(DataSource):
             )
         url = opts.get("url") or os.environ.get("MQ_URL") or mqabstract.default_url()
         _check_backend(url, kinds)
-        return _Plan(url, topic, kinds, batch_size)
+        return _Plan(url, topic, kinds, batch_size, _trace_headers(opts))
 
     def writer(self, schema: StructType, overwrite: bool) -> MQBatchWriter:
         plan = self._plan(schema, overwrite)
@@ -513,6 +522,29 @@ class MQDataSource(DataSource):
                 "mqabstract sink: job_id is for batch writes; streaming ids use the query id"
             )
         return MQStreamWriter(self._plan(schema, overwrite), uuid.uuid4().hex)
+
+
+def _trace_headers(opts: Mapping[str, str]) -> dict[str, str]:
+    """The ``traceparent``/``tracestate`` options as headers, checked (W3C Trace Context:
+    version-trace_id-parent_id-flags, ids not all zero)."""
+    parent, state = opts.get("traceparent"), opts.get("tracestate")
+    if parent is None:
+        if state is not None:
+            raise InvalidArgument("mqabstract sink: tracestate needs a traceparent")
+        return {}
+    match = _TRACEPARENT.fullmatch(parent)
+    if match is None or parent.startswith("ff") or not int(match[1], 16) \
+            or not int(match[2], 16):
+        raise InvalidArgument(
+            f"mqabstract sink: traceparent {parent[:80]!r} is not a W3C traceparent "
+            "(00-<32 hex trace id>-<16 hex span id>-<2 hex flags>)")
+    out = {"traceparent": parent}
+    if state is not None:
+        names.check_text_value(state, "tracestate")
+        if len(state) > 512:
+            raise InvalidArgument("mqabstract sink: tracestate is longer than 512 characters")
+        out["tracestate"] = state
+    return out
 
 
 def _check_backend(url: str, kinds: Mapping[str, str]) -> None:

@@ -67,6 +67,10 @@ class Got:
     priority: int
 
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+
 def tag() -> str:
     return uuid.uuid4().hex[:10]
 
@@ -193,7 +197,7 @@ def test_batch_write_delivers_every_row_intact(spark: Any, backend: tuple[str, s
         .otherwise(F.lit(f"sink.{t}.odd")).alias("topic"),
     )
     started = time.monotonic()
-    df.write.format("mqabstract").option("url", url).mode("append").save()
+    save(df, url, traceparent=TRACEPARENT, tracestate="mq=1")
     assert time.monotonic() - started < 120
     got = drain(url, group, pattern, n)
     assert len(got) == n
@@ -205,7 +209,8 @@ def test_batch_write_delivers_every_row_intact(spark: Any, backend: tuple[str, s
         row = int(g.headers["row"])
         assert g.body == f"body-{row}-é".encode()
         assert g.key == f"k{row % 7}"
-        assert user_headers(g.headers) == {"row": str(row), "src": "spark"}
+        assert user_headers(g.headers) == {"row": str(row), "src": "spark",
+                                           "traceparent": TRACEPARENT, "tracestate": "mq=1"}
         assert g.topic == f"sink.{t}.{'even' if row % 2 == 0 else 'odd'}"
         assert g.id.split(".")[1] == "0"  # batch writes are batch 0
 
@@ -309,6 +314,9 @@ BAD_WRITES = {
     "no topic": (lambda df: df, {"topic": None}, "column 'topic'"),
     "unknown option": (lambda df: df, {"topci": "x"}, "unknown option"),
     "memory url": (lambda df: df, {"url": "memory://"}, "cannot be reached from Spark"),
+    "bad traceparent": (lambda df: df, {"traceparent": "00-abc-def-01"}, "W3C traceparent"),
+    "zero trace id": (lambda df: df, {"traceparent": f"00-{'0' * 32}-{'1' * 16}-01"},
+                      "W3C traceparent"),
 }
 
 
@@ -422,3 +430,30 @@ def test_streaming_restart_resends_only_the_uncommitted_batch_with_its_ids(
     for g in got:
         bodies[g.id].add(g.body)
     assert all(len(b) == 1 for b in bodies.values())  # a re-sent id carries the same row
+
+
+def test_consumers_of_sink_rows_continue_the_writers_trace(spark: Any, sqlite_url: str) -> None:
+    """The ``traceparent`` option: a consumer with the OpenTelemetry middleware processes
+    each row in a span of the trace the Spark job ran in."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from mqabstract.otel import OpenTelemetry
+
+    t = tag()
+    group, topic = f"sink-{t}", f"sink.{t}"
+    declare(sqlite_url, group, topic)
+    save(spark.range(0, 20, numPartitions=2).select(F.col("id").cast("string").alias("value")),
+         sqlite_url, topic=topic, traceparent=TRACEPARENT)
+    spans = InMemorySpanExporter()
+    tracing = TracerProvider()
+    tracing.add_span_processor(SimpleSpanProcessor(spans))
+    otel = OpenTelemetry(tracer_provider=tracing, gauges=False)
+    with mqabstract.connect(sqlite_url, middleware=[otel]) as mq:
+        stats = mq.subscribe(group, topic).consume(lambda m: None, max_messages=20,
+                                                   idle_timeout=5)
+    assert stats.acked == 20
+    process = [s for s in spans.get_finished_spans() if s.name.startswith("process ")]
+    assert len(process) == 20
+    assert {format(s.context.trace_id, "032x") for s in process} == {TRACE_ID}
