@@ -432,6 +432,11 @@ class MemoryDriver(Driver):
             return GroupStats(group, g.ready_count + g.waiting_count, g.leased_live,
                               g.delayed_live, len(g.dead))
 
+    def groups(self) -> list[str]:
+        with self._hub.lock:
+            self._check()
+            return list(self._hub.groups)
+
     def delete_group(self, group: str) -> None:
         hub = self._hub
         with hub.lock:

@@ -514,6 +514,10 @@ class SQLiteDriver(Driver):
 
         return self._read(read, "stats")
 
+    def groups(self) -> list[str]:
+        return self._read(lambda conn: [name for (name,) in conn.execute(
+            "SELECT name FROM mq_groups")], "groups")
+
     def ping(self) -> None:
         """A query on the database file (its lock and a page read)."""
         self._read(lambda conn: conn.execute("SELECT count(*) FROM mq_dead").fetchone(),

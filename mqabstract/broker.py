@@ -1265,6 +1265,13 @@ class Broker:
         """Counts of ready, leased, delayed and dead messages in ``group``."""
         return self._group_call(self._driver.stats, group)  # type: ignore[no-any-return]
 
+    def groups(self) -> list[str]:
+        """The names of every group declared on the broker, sorted (``Unsupported`` where
+        the broker cannot list them)."""
+        self._check_open()
+        with self._guard:
+            return sorted(self._driver.groups())
+
     def delete_group(self, group: str) -> None:
         """Delete ``group`` with its queued and dead messages."""
         self._group_call(self._driver.delete_group, group)

@@ -110,6 +110,10 @@ class Driver(abc.ABC):
     def stats(self, group: str) -> GroupStats:
         return GroupStats(group, None, None, None, None)
 
+    def groups(self) -> list[str]:
+        """The names of the groups declared on the broker (by any process)."""
+        raise Unsupported("listing groups is not supported by this backend")
+
     @abc.abstractmethod
     def ping(self) -> None:
         """One round trip to the broker (the cheapest request it answers); raises when it

@@ -12,12 +12,14 @@ metrics follow the OpenTelemetry messaging semantic conventions:
 
 - spans ``send {topic}`` (PRODUCER, one per publish call: a batch shares one context),
   ``receive {group}`` (CONSUMER, one per receive that returned messages), ``process
-  {group}`` (CONSUMER, around each handler, current while it runs), and ``ack``/``nack``/
-  ``dead_letter {group}`` (CLIENT, one per settle call);
+  {group}`` (CONSUMER, around each handler, current while it runs), and with
+  ``settle_spans=True`` ``ack``/``nack``/``dead_letter {group}`` (CLIENT, one per settle
+  call; off by default: in the Python SDK a span costs tens of microseconds, and a
+  per-message ack span would double what telemetry adds to ``consume``);
 - counters ``messaging.client.sent.messages``, ``messaging.client.consumed.messages`` and
   ``mqabstract.client.settled.messages`` (by ``mqabstract.outcome``: acked, nacked,
   dead_lettered, expired, released); histograms ``messaging.client.operation.duration``
-  (send, receive, settle) and ``messaging.process.duration``;
+  (send, receive, and settle with ``settle_spans``) and ``messaging.process.duration``;
 - gauges ``mqabstract.group.messages`` (by ``mqabstract.state``: ready, leased, delayed,
   dead) and ``mqabstract.group.lag``, read from ``Broker.stats()`` of every group when
   the metric reader collects (``gauges=False`` turns them off).
@@ -68,7 +70,6 @@ OP_TYPE = "messaging.operation.type"
 OP_NAME = "messaging.operation.name"
 MESSAGE_ID = "messaging.message.id"
 BATCH = "messaging.batch.message_count"
-BODY_SIZE = "messaging.message.body.size"
 ERROR_TYPE = "error.type"
 
 
@@ -149,7 +150,7 @@ class _Process:
             f"process {group}", context=parent, kind=SpanKind.CONSUMER, attributes={
                 SYSTEM: otel.system_of(msg), OP_TYPE: "process", OP_NAME: "process",
                 DESTINATION: msg.topic, GROUP: group, MESSAGE_ID: msg.id,
-                BODY_SIZE: len(msg.body), "mqabstract.attempt": msg.attempt,
+                "mqabstract.attempt": msg.attempt,
             })
         self.token = otel_context.attach(trace.set_span_in_context(span, parent))
         self.t0 = time.perf_counter()
@@ -181,13 +182,15 @@ class OpenTelemetry(Middleware):
     """
 
     def __init__(self, *, tracer_provider: Any = None, meter_provider: Any = None,
-                 propagator: TextMapPropagator | None = None, gauges: bool = True) -> None:
+                 propagator: TextMapPropagator | None = None, gauges: bool = True,
+                 settle_spans: bool = False) -> None:
         from . import __version__
 
         self.tracer = trace.get_tracer("mqabstract", __version__,
                                        tracer_provider=tracer_provider)
         meter = metrics.get_meter("mqabstract", __version__, meter_provider=meter_provider)
         self.propagator = _propagator(propagator)
+        self.settle_spans = settle_spans
         self.sent = meter.create_counter(
             "messaging.client.sent.messages", unit="{message}",
             description="Messages the producer attempted to send to the broker.")
@@ -244,7 +247,7 @@ class OpenTelemetry(Middleware):
     def settled(self, sub: Subscription, op: str, messages: Sequence[Message],
                 started_ns: int, error: MQError | None) -> None:
         backend, group = sub._broker.backend, sub.group
-        if op in ("ack", "nack", "dead_letter"):  # operations on the broker
+        if self.settle_spans and op in ("ack", "nack", "dead_letter"):  # broker operations
             attrs = self.attrs(backend, GROUP, group, op)
             if error is not None:
                 attrs = {**attrs, ERROR_TYPE: type(error).__qualname__}
@@ -256,10 +259,15 @@ class OpenTelemetry(Middleware):
                 _failed(span, error)
             span.end()
             self.duration.record((time.time_ns() - started_ns) / 1e9, attrs)
-            if error is not None:
-                return
-        self.settled_count.add(len(messages), {
-            SYSTEM: _system(backend), GROUP: group, "mqabstract.outcome": OUTCOMES[op]})
+        if error is not None:
+            return
+        key = (backend, "outcome", group, op)
+        attrs = self._attrs.get(key)
+        if attrs is None:
+            attrs = {SYSTEM: _system(backend), GROUP: group, "mqabstract.outcome": OUTCOMES[op]}
+            if len(self._attrs) < 10_000:
+                self._attrs[key] = attrs
+        self.settled_count.add(len(messages), attrs)
 
     # -- helpers ----------------------------------------------------------------------
     def attrs(self, backend: str, what: str, name: str | None, op: str) -> Mapping[str, Any]:

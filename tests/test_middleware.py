@@ -214,3 +214,31 @@ def test_asyncio_scopes_run_on_the_callers_task() -> None:
     assert mw.seen.count("publish1:caller") == 4 and "publish2:caller" in mw.seen
     # handler tasks start from the context of the task that called consume
     assert mw.seen.count("handle:caller") == 6, mw.seen
+
+
+def test_opentelemetry_settle_spans_when_asked_and_never_a_secret() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from mqabstract.otel import OpenTelemetry
+
+    spans = InMemorySpanExporter()
+    tracing = TracerProvider()
+    tracing.add_span_processor(SimpleSpanProcessor(spans))
+    otel = OpenTelemetry(tracer_provider=tracing, gauges=False, settle_spans=True)
+    url = f"memory://user:s3cret@mw-{uuid.uuid4().hex}"
+    with mqabstract.connect(url, middleware=[otel]) as mq:
+        sub = mq.subscribe("g", "t.#", max_attempts=2)
+        mq.publish_batch([("t.1", b"a"), ("t.1", b"b")])
+        first, second = sub.receive(2, 1)
+        sub.ack_many([first, second])
+        mq.publish("t.1", b"c")
+        [third] = sub.receive(1, 1)
+        third.nack()
+    names = [s.name for s in spans.get_finished_spans()]
+    assert names.count("ack g") == 1 and names.count("nack g") == 1, names
+    [ack] = [s for s in spans.get_finished_spans() if s.name == "ack g"]
+    assert ack.attributes["messaging.batch.message_count"] == 2
+    everything = repr([(s.name, dict(s.attributes)) for s in spans.get_finished_spans()])
+    assert "s3cret" not in everything and "user" not in everything
