@@ -262,12 +262,13 @@ class OpenTelemetry(Middleware):
         if error is not None:
             return
         key = (backend, "outcome", group, op)
-        attrs = self._attrs.get(key)
-        if attrs is None:
-            attrs = {SYSTEM: _system(backend), GROUP: group, "mqabstract.outcome": OUTCOMES[op]}
+        counted = self._attrs.get(key)
+        if counted is None:
+            counted = {SYSTEM: _system(backend), GROUP: group,
+                       "mqabstract.outcome": OUTCOMES[op]}
             if len(self._attrs) < 10_000:
-                self._attrs[key] = attrs
-        self.settled_count.add(len(messages), attrs)
+                self._attrs[key] = counted
+        self.settled_count.add(len(messages), counted)
 
     # -- helpers ----------------------------------------------------------------------
     def attrs(self, backend: str, what: str, name: str | None, op: str) -> Mapping[str, Any]:
