@@ -632,6 +632,9 @@ class AsyncBroker:
     async def stats(self, group: str) -> GroupStats:
         return await self._run(self.broker.stats, group)
 
+    async def groups(self) -> list[str]:
+        return await self._run(self.broker.groups)
+
     async def delete_group(self, group: str) -> None:
         await self._run(self.broker.delete_group, group)
 

@@ -57,6 +57,11 @@ _DESCRIPTIONS = {
 }
 
 
+#: ``GroupStats`` counts a backend may report, and how it knows them.
+STAT_COUNTS = ("ready", "leased", "delayed", "dead", "lag")
+STAT_KINDS = ("exact", "approximate")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """A backend's declared features and limits.
@@ -82,6 +87,10 @@ class Capabilities:
     max_consumers_per_group: int | None = None  #: None = unlimited (Kafka: partitions)
     shared_between_processes: bool = True  #: False for memory://
     durable: bool = True  #: messages survive a broker restart
+    #: which ``GroupStats`` counts ``stats()`` reports, and how: "exact" (the broker's own
+    #: count, by any process), "approximate" (the broker's estimate); absent ones are None
+    stats: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(
+        ("ready", "leased", "delayed", "dead"), "exact"))
     notes: Mapping[Feature, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,6 +100,11 @@ class Capabilities:
             raise ValueError(f"capabilities must declare every feature; missing: {names}")
         object.__setattr__(self, "features", MappingProxyType(dict(self.features)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
+        object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
+        unknown = set(self.stats) - set(STAT_COUNTS) or set(self.stats.values()) - set(
+            STAT_KINDS)
+        if unknown:
+            raise ValueError(f"stats: unknown counts or kinds {sorted(unknown)}")
 
     def support(self, feature: Feature) -> Support:
         return self.features[feature]

@@ -40,7 +40,7 @@ from .errors import (
     Unsupported,
     ValidationError,
 )
-from .model import DeadLetter, OutgoingMessage
+from .model import DeadLetter, GroupStats, OutgoingMessage
 from .url import BrokerURL, redact
 
 __all__ = ["EXIT_CODES", "main"]
@@ -331,25 +331,85 @@ def cmd_ping(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    with _connect(args) as mq:
-        rows = [mq.stats(group) for group in args.groups]
-    if args.json:
-        for st in rows:
-            _emit({"group": st.group, "ready": st.ready, "leased": st.leased,
-                   "delayed": st.delayed, "dead": st.dead}, sys.stdout)
-        return EXIT_OK
-    cols = ("group", "ready", "leased", "delayed", "dead")
-    table = [cols] + [
-        (st.group, *("-" if v is None else str(v) for v in (st.ready, st.leased, st.delayed,
-                                                             st.dead)))
-        for st in rows
-    ]
-    widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
-    for row in table:
+COUNTS = ("ready", "leased", "delayed", "dead", "lag")
+
+
+def _group_stats(mq: Broker, groups: Sequence[str]) -> list[GroupStats]:
+    """The stats of ``groups``, or of every group when none is named."""
+    if not groups:
+        try:
+            groups = mq.groups()
+        except Unsupported as exc:
+            raise UsageError(f"{exc}: name the groups (mqa stats GROUP ...)") from exc
+    return [mq.stats(group) for group in groups]
+
+
+def _table(rows: Sequence[Sequence[str]], out: IO[str]) -> None:
+    """Rows of cells: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
         cells = [row[0].ljust(widths[0])]
         cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        sys.stdout.write("  ".join(cells).rstrip() + "\n")
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def _cell(value: float | None, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _connect(args) as mq:
+        rows = _group_stats(mq, args.groups)
+    if args.json:
+        for st in rows:
+            _emit({"group": st.group, **{c: getattr(st, c) for c in COUNTS}}, sys.stdout)
+        return EXIT_OK
+    _table([("group", *COUNTS)]
+           + [(st.group, *(_cell(getattr(st, c)) for c in COUNTS)) for st in rows],
+           sys.stdout)
+    return EXIT_OK
+
+
+def _depth(st: GroupStats) -> int | None:
+    """Messages waiting or held: the lag where the backend has offsets, else the sum."""
+    if st.lag is not None:
+        return st.lag
+    parts = [v for v in (st.ready, st.leased, st.delayed) if v is not None]
+    return sum(parts) if parts else None
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Every ``--interval`` seconds, the groups' counts and how fast their depth and dead
+    letters change (depth/s < 0: consumers are ahead)."""
+    if args.interval <= 0 or (args.count is not None and args.count < 1):
+        raise UsageError("--interval must be > 0 and --count ≥ 1")
+    tty = sys.stdout.isatty()
+    before: dict[str, tuple[float, GroupStats]] = {}
+    with _connect(args) as mq:
+        n = 0
+        while args.count is None or n < args.count:
+            if n:
+                time.sleep(args.interval)
+            n += 1
+            now, rows = time.monotonic(), _group_stats(mq, args.groups)
+            table: list[tuple[str, ...]] = [("group", *COUNTS, "depth/s", "dead/s")]
+            for st in rows:
+                rate = dead_rate = None
+                if st.group in before:
+                    then, old = before[st.group]
+                    depth, old_depth = _depth(st), _depth(old)
+                    if depth is not None and old_depth is not None:
+                        rate = (depth - old_depth) / (now - then)
+                    if st.dead is not None and old.dead is not None:
+                        dead_rate = (st.dead - old.dead) / (now - then)
+                before[st.group] = (now, st)
+                table.append((st.group, *(_cell(getattr(st, c)) for c in COUNTS),
+                              _cell(rate, "{:+.1f}"), _cell(dead_rate, "{:+.1f}")))
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J")  # home, clear
+            sys.stdout.write(f"{mq.backend} {mq.url}  {datetime.now():%H:%M:%S}\n")
+            _table(table, sys.stdout)
+            sys.stdout.flush()
     return EXIT_OK
 
 
@@ -714,9 +774,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=1, metavar="N", help="round trips (default 1)")
     p.add_argument("--json", action="store_true", help="a JSON line instead of text")
 
-    p = add("stats", cmd_stats, "message counts per group: ready, leased, delayed, dead")
-    p.add_argument("groups", nargs="+", metavar="GROUP")
+    p = add("stats", cmd_stats,
+            "message counts per group: ready, leased, delayed, dead, lag (default: every group)")
+    p.add_argument("groups", nargs="*", metavar="GROUP")
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+
+    p = add("top", cmd_top, "the groups' counts refreshed live, with depth and dead-letter rates")
+    p.add_argument("groups", nargs="*", metavar="GROUP")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S",
+                   help="seconds between refreshes (default 2)")
+    p.add_argument("--count", type=int, default=None, metavar="N",
+                   help="stop after N refreshes (default: until Ctrl-C)")
 
     p = add("dlq", cmd_dlq, "list, replay or purge a group's dead letters")
     p.add_argument("action", choices=("list", "replay", "purge"))

@@ -141,13 +141,19 @@ class DeadLetter:
 
 @dataclass(frozen=True, slots=True)
 class GroupStats:
-    """Message counts of one group; None where the backend cannot tell."""
+    """Message counts of one group; None where the backend cannot tell.
+
+    ``ready``: deliverable now; ``leased``: delivered, not yet settled; ``delayed``: due
+    later (a delay or a nack's backoff); ``dead``: in the dead-letter store; ``lag``
+    (backends with offsets): messages published to the group's topics past its committed
+    position, whatever their state. ``Capabilities.stats`` says which are exact."""
 
     group: str
     ready: int | None
     leased: int | None
     delayed: int | None
     dead: int | None
+    lag: int | None = None
 
 
 def utc(ts: float) -> datetime:

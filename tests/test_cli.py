@@ -76,7 +76,8 @@ def test_publish_and_consume_round_trip(capsys, monkeypatch, url):
     assert base64.b64decode(second["body"]) == b"\xff\x00binary"
     # acked: nothing left
     code, out, _ = run(capsys, "stats", "billing", "--json", "--url", url)
-    assert lines(out) == [{"group": "billing", "ready": 0, "leased": 0, "delayed": 0, "dead": 0}]
+    assert lines(out) == [{"group": "billing", "ready": 0, "leased": 0, "delayed": 0, "dead": 0,
+                           "lag": None}]
 
 
 def test_body_from_file_and_delay(capsys, tmp_path, url):
@@ -88,10 +89,27 @@ def test_body_from_file_and_delay(capsys, tmp_path, url):
     code, out, _ = run(capsys, "stats", "g", "--url", url)
     assert code == 0
     header, row = out.splitlines()
-    assert header.split() == ["group", "ready", "leased", "delayed", "dead"]
-    assert row.split() == ["g", "1", "0", "1", "0"]
+    assert header.split() == ["group", "ready", "leased", "delayed", "dead", "lag"]
+    assert row.split() == ["g", "1", "0", "1", "0", "-"]
     code, out, _ = run(capsys, "consume", "g", "t", "--url", url, "--wait", "0.2")
     assert [m["body"] for m in lines(out)] == ["from a file"]
+
+
+def test_stats_without_names_lists_every_group_and_top_shows_rates(capsys, url):
+    for group in ("b-group", "a-group"):
+        run(capsys, "consume", group, "t.#", "--url", url, "--wait", "0")
+    for n in range(3):
+        run(capsys, "publish", "t.x", str(n), "--url", url)
+    code, out, _ = run(capsys, "stats", "--url", url)
+    assert code == 0
+    assert [r.split()[:2] for r in out.splitlines()[1:]] == [["a-group", "3"], ["b-group", "3"]]
+    code, out, _ = run(capsys, "top", "a-group", "--url", url, "--count", "2",
+                       "--interval", "0.05")
+    assert code == 0
+    frames = [line.split() for line in out.splitlines() if line.startswith("a-group")]
+    assert len(frames) == 2 and frames[0][-2:] == ["-", "-"]  # no rate before a 2nd reading
+    assert frames[1][-2:] == ["+0.0", "+0.0"]  # depth 3 both times
+    assert run(capsys, "top", "--url", "memory://", "--count", "0")[0] == 64
 
 
 def test_url_defaults_to_mq_url(capsys, monkeypatch, url):

@@ -91,6 +91,9 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities
         min_lease=0.5,  # leases are timers in the driver's I/O thread
         release_margin=release_margin,  # the lease watchdog (or the heartbeat timeout)
         max_receive=1000,
+        # Unacked counts are the management plugin's (not AMQP's); delayed messages wait in
+        # wait-tier queues shared by every group and are routed only when due.
+        stats={"ready": "exact", "dead": "exact"},
         notes={
             f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
                             "timeout): an expired message is copied back with attempt+1; "

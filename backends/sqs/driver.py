@@ -140,6 +140,9 @@ class SQSDriver(Driver):
         # under the full CI load a frozen holder's messages came back 3.4 s past the lease.
         release_margin=5.0,
         max_receive=BATCH,
+        # SQS's own estimates; a delayed message counts as ready until a receive moves it
+        # into its wait (SNS cannot delay a delivery)
+        stats=dict.fromkeys(("ready", "leased", "delayed", "dead"), "approximate"),
         notes={
             Feature.PRIORITY: (
                 "SQS has no priority and receives from a standard queue are sampled, so "
@@ -460,6 +463,30 @@ class SQSDriver(Driver):
     def queue_url(self, group: str) -> str:
         """URL of the group's SQS queue (for interop with plain boto3 code)."""
         return self._lookup(group).queue_url
+
+    def groups(self) -> list[str]:
+        """Every group's dead-letter queue (made first by ``declare``) carries the group's
+        name as a tag: one listing, then one tag read per group."""
+        urls: list[str] = []
+        token: str | None = None
+        while True:
+            page = self._call("list queues", self._sqs.list_queues,
+                              QueueNamePrefix=self._prefix, MaxResults=1000,
+                              **({"NextToken": token} if token else {}))
+            urls += [u for u in page.get("QueueUrls", []) if u.endswith("-dlq")]
+            token = page.get("NextToken")
+            if not token:
+                break
+        out = []
+        for url in urls:
+            try:
+                tags = self._call("read queue tags", self._sqs.list_queue_tags,
+                                  QueueUrl=url).get("Tags", {})
+            except NotFound:  # deleted meanwhile
+                continue
+            if "mqabstract:group" in tags:
+                out.append(tags["mqabstract:group"])
+        return out
 
     def delete_group(self, group: str) -> None:
         with self._lock:
