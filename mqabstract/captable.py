@@ -12,7 +12,7 @@ import importlib
 import math
 from collections.abc import Callable, Mapping
 
-from .capabilities import Capabilities, Feature, Support
+from .capabilities import STAT_COUNTS, Capabilities, Feature, Support
 
 __all__ = [
     "README_BEGIN",
@@ -69,6 +69,9 @@ _LIMITS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
         else str(c.max_consumers_per_group)),
     ("shared between processes", lambda c: _yes(c.shared_between_processes)),
     ("durable", lambda c: _yes(c.durable)),
+    ("`stats()` counts (~ approximate)", lambda c: " ".join(
+        ("~" if c.stats[n] == "approximate" else "") + n for n in STAT_COUNTS
+        if n in c.stats) or "—"),
 )
 
 
