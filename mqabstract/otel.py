@@ -209,6 +209,7 @@ class OpenTelemetry(Middleware):
             description="Duration of processing (the consume handler).")
         self._brokers: weakref.WeakSet[Broker] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._reading: tuple[float, list[tuple[Broker, Any]]] = (-1e9, [])
         self._attrs: dict[tuple[str, str, str | None, str], Mapping[str, Any]] = {}
         if gauges:
             meter.create_observable_gauge(
@@ -287,15 +288,23 @@ class OpenTelemetry(Middleware):
     def system_of(msg: Message) -> str:
         return _system(msg._sub._broker.backend)
 
-    def _groups(self) -> Iterable[tuple[Broker, Any]]:
-        for broker in list(self._brokers):
-            if broker.closed:
-                continue
-            try:
-                for group in broker.groups():
-                    yield broker, broker.stats(group)
-            except MQError:
-                continue  # the broker is away: no reading this time
+    def _groups(self) -> list[tuple[Broker, Any]]:
+        """Every bound broker's group stats, read once per collection (both gauges' callbacks
+        run back to back: the second gets the first's reading)."""
+        with self._lock:
+            at, readings = self._reading
+            if time.monotonic() - at < 1.0:
+                return readings
+            readings = []
+            for broker in list(self._brokers):
+                if broker.closed:
+                    continue
+                try:
+                    readings += [(broker, broker.stats(g)) for g in broker.groups()]
+                except MQError:
+                    continue  # away, or cannot list its groups: no reading this time
+            self._reading = (time.monotonic(), readings)
+            return readings
 
     def _observe_counts(self, options: CallbackOptions) -> Iterable[Observation]:
         out = []

@@ -242,3 +242,24 @@ def test_opentelemetry_settle_spans_when_asked_and_never_a_secret() -> None:
     assert ack.attributes["messaging.batch.message_count"] == 2
     everything = repr([(s.name, dict(s.attributes)) for s in spans.get_finished_spans()])
     assert "s3cret" not in everything and "user" not in everything
+
+
+def test_opentelemetry_gauges_read_every_groups_stats() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from mqabstract.otel import OpenTelemetry
+
+    reader = InMemoryMetricReader()
+    otel = OpenTelemetry(meter_provider=MeterProvider([reader]))
+    with mqabstract.connect(memory_url(), middleware=[otel]) as mq:
+        mq.declare("g1", "t.#")
+        mq.declare("g2", "t.a")
+        mq.publish_batch([("t.a", b"1"), ("t.b", b"2"), ("t.b", b"3")])
+        points = [(p.attributes["messaging.consumer.group.name"],
+                   p.attributes["mqabstract.state"], p.value)
+                  for rm in reader.get_metrics_data().resource_metrics
+                  for sm in rm.scope_metrics for m in sm.metrics
+                  if m.name == "mqabstract.group.messages" for p in m.data.data_points]
+    assert ("g1", "ready", 3) in points and ("g2", "ready", 1) in points, points
+    assert ("g1", "dead", 0) in points
