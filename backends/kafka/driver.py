@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -30,7 +31,16 @@ from mqabstract.url import BrokerURL, redact
 
 from . import client as _client
 from .client import TP, Admin, Client, ClientError, Fetched, Kind, Outgoing, Producer, Settings
-from .names import HASHED, REGISTRY, declared_key, internal, kafka_topic_name
+from .names import (
+    HASHED,
+    INTERNAL,
+    REGISTRY,
+    declared_key,
+    internal,
+    kafka_topic_name,
+    topic_regex,
+    unescape,
+)
 
 __all__ = ["KafkaDriver", "native"]
 
@@ -40,6 +50,10 @@ log = logging.getLogger("mqabstract.kafka")
 #: and the first delivery by the partitions' new owner: the join, positioning, a fetch.
 #: Measured up to 0.6 s after the session on a loaded two-core machine; 2.5 s of headroom.
 RELEASE_SLACK = 2.5
+
+#: Commit metadata of a group's declaration (the shadow group's offset on ``REGISTRY``):
+#: this prefix, then the group's pattern (which ``stats`` needs to find its topics).
+PATTERN_META = "mqp1 "
 
 R = TypeVar("R")
 
@@ -146,6 +160,9 @@ class KafkaDriver(Driver):
         # docs/backends/kafka.md). The instance value follows session_timeout_ms.
         release_margin=RELEASE_SLACK + 6.0,
         max_consumers_per_group=4,  # the default ``partitions``
+        # Ready, leased and delayed records live in the consumers' processes; lag is the
+        # committed offsets against the end offsets (as Kafka tools report it).
+        stats={"dead": "exact", "lag": "exact"},
         notes={
             Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
             "partitions by priority would only reorder what one consumer has fetched",
@@ -167,6 +184,7 @@ class KafkaDriver(Driver):
         self.settings = self._settings(url, opts)
         self._known: set[str] = set()
         self._declared: dict[str, int] = {}
+        self._patterns: dict[str, str] = {}
         self.topic_version = 0
         self._lock = threading.Lock()  # creating clients
         self._topics_lock = threading.Lock()
@@ -444,9 +462,10 @@ class KafkaDriver(Driver):
         self.ensure_topics(names)
         self.ensure_topics([self.dead_topic(spec.name)], partitions=1, compact=True)
         self.ensure_topics([REGISTRY], partitions=1)
-        self.declared_ms(spec.name, create=True)
+        self.declared_ms(spec.name, create=True, pattern=spec.pattern)
 
-    def declared_ms(self, group: str, create: bool = False) -> int | None:
+    def declared_ms(self, group: str, create: bool = False,
+                    pattern: str | None = None) -> int | None:
         """When the group was declared (epoch ms), stored as a committed offset on the
         registry topic: durable, visible to every process, no extra topic per group.
 
@@ -455,27 +474,48 @@ class KafkaDriver(Driver):
         (UNKNOWN_MEMBER_ID), so writing it as the group's own offset fails when another
         process's consumer is already in the group. Groups declared by older versions have
         it as the group's own offset: read there when the shadow has none.
+
+        The commit's metadata carries the group's pattern (``PATTERN_META``; ``stats``
+        finds the group's topics with it). With ``create`` and a ``pattern``, a
+        declaration without it (older versions) or with another pattern (the group was
+        declared again on a new one) is written again, keeping its time.
         """
-        if group in self._declared:
+        if group in self._declared and (pattern is None or self._patterns.get(group) == pattern):
             return self._declared[group]
+        value, stored = self._declaration(group)
+        if create and (value is None or (pattern is not None and stored != pattern)):
+            if value is None:
+                value = int(time.time() * 1000)
+            meta = PATTERN_META + pattern if pattern is not None else ""
+            key = declared_key(group)
+            try:
+                self.call(self.admin.set_group_offsets, key, {TP(REGISTRY, 0): (value, meta)},
+                          groups=(key,))
+            except Exception as exc:
+                raise native(exc, f"cannot declare group {group!r}", self.url) from exc
+            stored = pattern
+        if value is not None:
+            self._declared[group] = value
+        if stored is not None:
+            self._patterns[group] = stored
+        return value
+
+    def _declaration(self, group: str) -> tuple[int | None, str | None]:
+        """The group's stored declaration: (time in epoch ms, pattern); None where none
+        (the pattern is None for groups declared by versions that did not store it)."""
         tp = TP(REGISTRY, 0)
-        key = declared_key(group)
         try:
-            value: int | None = None
-            for name in (key, group):
+            for name in (declared_key(group), group):
                 found = self.call(self.admin.group_offsets, name, [tp], groups=(name,))
                 hit = found.get(tp)
                 if hit is not None:
-                    value = hit[0]
-                    break
-            if value is None and create:
-                value = int(time.time() * 1000)
-                self.call(self.admin.set_group_offsets, key, {tp: (value, "")}, groups=(key,))
+                    value, meta = hit
+                    pattern = meta[len(PATTERN_META):] if meta.startswith(PATTERN_META) \
+                        else None
+                    return value, pattern or None
         except Exception as exc:
             raise native(exc, f"cannot read group {group!r}", self.url) from exc
-        if value is not None:
-            self._declared[group] = value
-        return value
+        return None, None
 
     def subscribe(self, spec: GroupSpec) -> DriverSubscription:
         from .subscription import KafkaSubscription
@@ -583,8 +623,85 @@ class KafkaDriver(Driver):
         self.admin.list_topics()
 
     def stats(self, group: str) -> GroupStats:
+        """Dead letters, and the group's lag (``lag``); ready, leased and delayed records
+        live in the consumers' processes: None. ``NotFound`` for an undeclared group."""
         self._check()
-        return GroupStats(group, None, None, None, len(self._dead_entries(group)))
+        dead = len(self._dead_entries(group))
+        return GroupStats(group, None, None, None, dead, lag=self._lag(group))
+
+    def _lag(self, group: str) -> int | None:
+        """The group's consumer lag: over the partitions it consumes, end offset minus its
+        committed offset. Those partitions are its retry topic's and the data partitions of
+        the topics matching its pattern (stored with its declaration; None when it was
+        declared by a version that did not store it). Where it has committed nothing yet,
+        the start is where a subscription starts: the retry topic's beginning; a data
+        partition's first record at or after the declaration, else its end.
+
+        As Kafka's tools count it: records settled out of order past the committed offset
+        (acked, nacked, dead-lettered while an earlier one is leased) count until the
+        offset passes them; a nacked or expired record counts twice until its original
+        is committed (the original and its retry copy). Hashed (over-long) topics are
+        counted for a pattern without wildcards only: which pattern a hashed topic
+        matches is only in its records' headers.
+        """
+        declared, pattern = self._declaration(group)
+        if pattern is None:
+            pattern = self._patterns.get(group)
+        if pattern is None:
+            return None
+        if declared is None:
+            declared = self._declared.get(group, int(time.time() * 1000))
+        retry = self.retry_topic(group)
+        words = pattern.split(".")
+        wildcard = "*" in words or "#" in words
+        regex = re.compile(topic_regex(pattern, self.prefix))
+        try:
+            names = self.call(self.admin.list_topics) | self._known
+        except Exception as exc:
+            raise native(exc, "cannot list topics", self.url) from exc
+        data = sorted(t for t in names if regex.match(t) and not t.startswith(INTERNAL)
+                      and not (wildcard and t.startswith(HASHED)))
+        tps: list[TP] = []
+        for topic in [retry, *data] if retry in names else data:
+            tps.extend(TP(topic, p) for p in sorted(self.partitions_for(topic)))
+        if not tps:
+            return 0
+        committed = self.committed(group, tps)
+        fresh = [tp for tp in tps if committed.get(tp) is None]
+        reader = None
+        try:
+            reader = self.client.reader(self.settings)
+            # End offsets before the start query, as the subscription reads them.
+            ends = self.call(reader.end_offsets, tps)
+            starts: dict[TP, int | None] = {}
+            for since, part in ((0, [tp for tp in fresh if tp.topic == retry]),
+                                (declared, [tp for tp in fresh if tp.topic != retry])):
+                if part:
+                    starts.update(self.call(reader.offsets_for_times, part, since))
+        except Exception as exc:
+            raise native(exc, f"cannot read the offsets of group {group!r}", self.url) from exc
+        finally:
+            if reader is not None:
+                reader.close()
+        total = 0
+        for tp in tps:
+            end = ends.get(tp, 0)
+            found = committed.get(tp)
+            start = found[0] if found is not None else starts.get(tp)
+            total += max(0, end - (start if start is not None else end))
+        return total
+
+    def groups(self) -> list[str]:
+        """The groups whose retry topic exists (``declare`` makes it): its name is the
+        group's, escaped; a hashed (over-long) name cannot be read back and is left out."""
+        self._check()
+        try:
+            names = self.call(self.admin.list_topics)
+        except Exception as exc:
+            raise native(exc, "cannot list topics", self.url) from exc
+        head = self.retry_topic("")
+        found = (unescape(t[len(head):]) for t in names if t.startswith(head))
+        return [g for g in found if self.retry_topic(g) in names]
 
     def delete_group(self, group: str) -> None:
         self._check()
@@ -602,6 +719,7 @@ class KafkaDriver(Driver):
                 log.debug("kafka: delete_group %s: %s", group, exc)
         self._known.difference_update(topics)
         self._declared.pop(group, None)
+        self._patterns.pop(group, None)
         self.producer.forget(topics)
 
     def close(self) -> None:
