@@ -91,9 +91,11 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities
         min_lease=0.5,  # leases are timers in the driver's I/O thread
         release_margin=release_margin,  # the lease watchdog (or the heartbeat timeout)
         max_receive=1000,
-        # Unacked counts are the management plugin's (not AMQP's); delayed messages wait in
-        # wait-tier queues shared by every group and are routed only when due.
-        stats={"ready": "exact", "dead": "exact"},
+        # AMQP counts ready messages only, and a consumer's prefetch (up to ``prefetch``,
+        # handed back after about a second without a receive) is not among them; unacked
+        # counts are the management plugin's, and delayed messages wait in wait-tier queues
+        # shared by every group, routed only when due.
+        stats={"ready": "approximate", "dead": "exact"},
         notes={
             f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
                             "timeout): an expired message is copied back with attempt+1; "
