@@ -9,6 +9,8 @@ a ``process`` span) and single ``publish``, each with and without
 ``mqabstract.otel.OpenTelemetry()`` on an SDK whose exporters drop everything (the spans and
 metric points are still made, batched and handed over, as in production). Rounds
 alternate plain/otel; the median of each is reported with otel/plain (1.00 = free).
+``--sample 0.1`` samples a tenth of the traces (the consumers follow the publisher's
+decision): unsampled spans are not recorded, the metrics still are.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 import mqabstract
 from mqabstract.otel import OpenTelemetry
@@ -52,8 +55,8 @@ class _DropMetrics(MetricExporter):
         pass
 
 
-def _middleware() -> OpenTelemetry:
-    tracing = TracerProvider()
+def _middleware(sample: float) -> OpenTelemetry:
+    tracing = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sample)))
     tracing.add_span_processor(BatchSpanProcessor(_DropSpans()))
     meters = MeterProvider([PeriodicExportingMetricReader(_DropMetrics(), 10_000)])
     return OpenTelemetry(tracer_provider=tracing, meter_provider=meters, gauges=False)
@@ -107,9 +110,10 @@ def consume(url: str, n: int, otel: OpenTelemetry | None) -> float:
         return rate
 
 
-def compare(name: str, fn: Callable[[OpenTelemetry | None], float], rounds: int) -> None:
+def compare(name: str, fn: Callable[[OpenTelemetry | None], float], rounds: int,
+            sample: float) -> None:
     plain, traced = [], []
-    otel = _middleware()
+    otel = _middleware(sample)
     for _ in range(rounds):
         plain.append(fn(None))
         traced.append(fn(otel))
@@ -125,6 +129,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--single-n", type=int, default=2_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sample", type=float, default=1.0,
+                    help="the tracer's sampling ratio (ParentBased(TraceIdRatioBased))")
     args = ap.parse_args()
     urls = args.url or ["memory://bench-otel", *filter(None, [
         os.environ.get("MQ_TEST_RABBITMQ_URL")])]
@@ -132,7 +138,7 @@ def main() -> None:
         print(mqabstract.BrokerURL.parse(url).redacted(), flush=True)
         for name, fn, n in (("publish_batch", publish_batch, args.n),
                             ("consume", consume, args.n), ("publish", publish, args.single_n)):
-            compare(name, functools.partial(fn, url, n), args.rounds)
+            compare(name, functools.partial(fn, url, n), args.rounds, args.sample)
 
 
 if __name__ == "__main__":
