@@ -34,6 +34,8 @@ log = logging.getLogger("mqabstract.kafka")
 #: Longest a revocation waits for re-publishes in flight (it may run on the client's I/O
 #: thread, so heartbeats wait as long).
 _MOVING_WAIT = 3.0
+#: A run of copies (``_move``) commits the originals written so far done this often.
+_DONE_EVERY = 0.1
 
 
 class KafkaSubscription(DriverSubscription):
@@ -590,14 +592,9 @@ class KafkaSubscription(DriverSubscription):
                     # done, its next owner gives it an attempt above the copy's.
                     part.mark = rec.offset + 1
             buffered = len(self.ready) + len(self.held)
+            epoch = self.epoch  # the partitions these records were taken from are ours
         if expired or handoff:
-            expired, handoff = self._fence_tick(expired, handoff)
-        if expired or handoff:
-            try:
-                self._move(expired, handoff)
-            finally:
-                self._end_move()
-            self._send_checkpoints(None)  # the originals are done: a takeover skips them
+            self._move(expired, handoff, epoch)
         limit = self.d.opts["max_buffered"]
         if buffered > limit and not self.paused and self.data_assigned:
             self.data.pause(self.data_assigned)
@@ -606,39 +603,46 @@ class KafkaSubscription(DriverSubscription):
             self.data.resume(self.data_assigned)
             self.paused = False
 
-    def _fence_tick(self, expired: list[Rec], handoff: list[Rec]
-                    ) -> tuple[list[Rec], list[Rec]]:
+    def _fence_tick(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> bool:
         """Before re-publishing expired leases or handing records off: ``_fence``. A
         consumer woken from a freeze longer than its session still has its old leases and
         buffers; its partitions' new owner redelivers those records from the checkpoint,
-        so a copy written here would repeat an attempt. On failure nothing is written: the
-        leases are kept (tried again shortly, or dropped when the partition turns out to
-        have moved) and the hand-offs go back to the ready queue."""
+        so a copy written here would repeat an attempt. True when fenced (and the move
+        counted, ``_begin_move``); on failure, or when a revocation began since ``epoch``,
+        nothing is written and the records go back (``_put_back``)."""
         budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
         self._mark_moving(expired)
-        with self.lock:
-            epoch = self.epoch
         try:
+            if self.epoch != epoch:
+                raise LeaseExpired("a rebalance began")
             self._fence(budget, force={rec.tp for rec in (*expired, *handoff)})
             if not self._begin_move(epoch):
                 raise LeaseExpired("a rebalance began")
         except MQError as exc:
             log.info("kafka: %d records of %s not re-published: %s",
                      len(expired) + len(handoff), self.spec.name, redact(str(exc))[:300])
-            with self.cv:
-                retry_at = time.time() + 0.5
-                for rec in expired:
-                    if rec.tp in self.parts or rec.tp in self.suspended:
-                        rec.deadline = retry_at
-                        self.leased[next(self.tokens)] = rec
-                mono = time.monotonic()
-                for rec in reversed(handoff):
-                    if rec.tp in self.parts:
-                        rec.since = mono
-                        self.ready.appendleft(rec)
-                self.cv.notify_all()
-            return [], []
-        return expired, handoff
+            self._put_back(expired, handoff)
+            return False
+        return True
+
+    def _put_back(self, expired: Collection[Rec], handoff: Sequence[Rec]) -> None:
+        """Records whose copy was not written: the leases are kept (tried again shortly,
+        or dropped when the partition turns out to have moved), the hand-offs are ready
+        again (with their partition's stash while it is suspended)."""
+        with self.cv:
+            retry_at = time.time() + 0.5
+            for rec in expired:
+                if rec.tp in self.parts or rec.tp in self.suspended:
+                    rec.deadline = retry_at
+                    self.leased[next(self.tokens)] = rec
+            mono = time.monotonic()
+            for rec in reversed(handoff):
+                if rec.tp in self.parts:
+                    rec.since = mono
+                    self.ready.appendleft(rec)
+                elif rec.tp in self.suspended:
+                    self.suspended[rec.tp][1].insert(0, rec)
+            self.cv.notify_all()
 
     def _mark_moving(self, recs: Collection[Rec]) -> None:
         """Before the fence that precedes writing copies of ``recs`` with one attempt more:
@@ -665,22 +669,59 @@ class KafkaSubscription(DriverSubscription):
             self.moving -= 1
             self.cv.notify_all()
 
-    def _move(self, expired: list[Rec], handoff: list[Rec]) -> None:
-        for rec in expired:  # the lease ran out: redeliver with attempt + 1
+    def _move(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> None:
+        """Write the copies of expired leases (attempt + 1) and idle hand-offs (same
+        attempt), then commit their originals done.
+
+        A fence proves membership when it lands, not for the seconds a long run of
+        one-record writes can take (hundreds of hand-offs after a freeze, a write per
+        round trip: seconds on kafka-python). Frozen in the middle of such a run past its
+        session, a consumer woke and went on writing copies of records whose partition
+        the new owner was delivering too: two live copies of one message whose attempts
+        interleave or repeat. So the writes stop as soon as a revocation begins
+        (``epoch``) and fence again once ``heartbeat_interval_ms`` has passed since the
+        last fence; what is not written goes back (``_put_back``)."""
+        cover = self.d.opts["heartbeat_interval_ms"] / 1000
+        todo: deque[tuple[Rec, bool]] = deque(
+            [(rec, True) for rec in expired] + [(rec, False) for rec in handoff])
+        while todo:
+            if not self._fence_tick([r for r, lapsed in todo if lapsed],
+                                    [r for r, lapsed in todo if not lapsed], epoch):
+                return
+            fenced = sent = time.monotonic()
             try:
-                self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
-            except MQError:
-                self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
-        for rec in handoff:
-            try:
-                self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
-            except MQError:
-                with self.cv:  # stays here, ready again
-                    rec.n += 1  # the write may have landed: never the same attempt twice
-                    if rec.tp in self.parts:
-                        rec.since = time.monotonic()
-                        self.ready.append(rec)
-                        self.cv.notify_all()
+                while todo and self.epoch == epoch and time.monotonic() - fenced < cover:
+                    rec, lapsed = todo.popleft()
+                    if lapsed:
+                        self._lapse(rec)
+                    else:
+                        self._hand_off(rec)
+                    if time.monotonic() - sent >= _DONE_EVERY:
+                        # The originals written so far are done: a takeover skips them
+                        # (a stop between a write and this commit leaves a duplicate).
+                        self._send_checkpoints(None)
+                        sent = time.monotonic()
+            finally:
+                self._end_move()
+            self._send_checkpoints(None)  # the originals are done: a takeover skips them
+
+    def _lapse(self, rec: Rec) -> None:
+        """The lease ran out: redeliver with attempt + 1."""
+        try:
+            self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
+        except MQError:
+            self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
+
+    def _hand_off(self, rec: Rec) -> None:
+        try:
+            self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
+        except MQError:
+            with self.cv:  # stays here, ready again
+                rec.n += 1  # the write may have landed: never the same attempt twice
+                if rec.tp in self.parts:
+                    rec.since = time.monotonic()
+                    self.ready.append(rec)
+                    self.cv.notify_all()
 
     def _pick_handoff(self) -> list[Rec]:
         """Ready records nobody here asks for go to another consumer of the group.
