@@ -476,9 +476,13 @@ class Subscription:
         with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
             self._inner.dead_letter(delivery.receipt, reason, delivery.attempt - 1)
 
-    def _settling(self, op: str, messages: Callable[[], Sequence[Message]]) -> _Settling:
-        """The guard around a driver settle call, telling middleware how it ended."""
-        return _Settling(self, op, messages)
+    def _settling(self, op: str, messages: Callable[[], Sequence[Message]]
+                  ) -> _Settling | _Guard:
+        """The guard around a driver settle call, telling middleware how it ended (the
+        plain guard when no middleware listens)."""
+        if self._broker._chain.settlers:
+            return _Settling(self, op, messages)
+        return self._broker._guard
 
     def _gone(self, messages: Sequence[Message]) -> None:
         """Tell middleware these messages' leases ran out before they were settled."""
