@@ -41,6 +41,7 @@ from .errors import (
     MessageTooLarge,
     MQError,
     PublishError,
+    Unsupported,
     ValidationError,
 )
 from .middleware import NO_MIDDLEWARE, Chain, Publishing
@@ -1271,8 +1272,10 @@ class Broker:
 
     def groups(self) -> list[str]:
         """The names of every group declared on the broker, sorted (``Unsupported`` where
-        the broker cannot list them)."""
+        the broker cannot list them: ``Capabilities.lists_groups``)."""
         self._check_open()
+        if not self._caps.lists_groups:
+            raise Unsupported(f"{self.backend} cannot list its groups")
         with self._guard:
             return sorted(self._driver.groups())
 

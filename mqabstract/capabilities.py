@@ -91,6 +91,7 @@ class Capabilities:
     #: count, by any process), "approximate" (the broker's estimate); absent ones are None
     stats: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("ready", "leased", "delayed", "dead"), "exact"))
+    lists_groups: bool = True  #: ``Broker.groups()`` works (else ``Unsupported``)
     notes: Mapping[Feature, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -69,6 +69,7 @@ _LIMITS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
         else str(c.max_consumers_per_group)),
     ("shared between processes", lambda c: _yes(c.shared_between_processes)),
     ("durable", lambda c: _yes(c.durable)),
+    ("`groups()` lists groups", lambda c: _yes(c.lists_groups)),
     ("`stats()` counts (~ approximate)", lambda c: " ".join(
         ("~" if c.stats[n] == "approximate" else "") + n for n in STAT_COUNTS
         if n in c.stats) or "—"),

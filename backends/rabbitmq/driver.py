@@ -96,6 +96,7 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities
         # counts are the management plugin's, and delayed messages wait in wait-tier queues
         # shared by every group, routed only when due.
         stats={"ready": "approximate", "dead": "exact"},
+        lists_groups=False,  # AMQP cannot list queues
         notes={
             f.LEASE_EXTEND: "leases are kept by the driver (RabbitMQ has no visibility "
                             "timeout): an expired message is copied back with attempt+1; "
