@@ -8,6 +8,7 @@ chunking, the consume loop with retry/backoff, the dead-letter decision after
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -230,7 +231,10 @@ class _Settling:
             raise
         finally:
             chain = self.sub._broker._chain
-            if chain.settlers and not isinstance(exc, LeaseExpired):
+            # (LeaseExpired: told as "expired" by the caller; KeyboardInterrupt & co.: the
+            # outcome is unknown, the caller puts the messages back)
+            if chain.settlers and (exc is None or (isinstance(exc, Exception)
+                                                   and not isinstance(exc, LeaseExpired))):
                 if error is None and isinstance(exc, MQError):
                     error = exc
                 chain.settled(self.sub, self.op, self.messages(), self.started, error)
@@ -316,9 +320,10 @@ class Message:
     def _check_lease(self) -> None:
         """Raise ``LeaseExpired`` (and give the message up) at or after the deadline."""
         if self._state == "expired" or self._sub._broker._monotonic() >= self._deadline:
-            self._state = "expired"
+            if self._state != "expired":  # told once, on the way into "expired"
+                self._state = "expired"
+                self._sub._gone((self,))
             self._sub._forget(self)
-            self._sub._gone((self,))
             raise _ran_out((self,))
 
     def _begin(self, op: str) -> bool:
@@ -339,7 +344,8 @@ class Message:
             if late:
                 sub._unsettled.discard(self)
         if late:
-            sub._gone((self,))
+            if state != "expired":
+                sub._gone((self,))
             raise _ran_out((self,))
         return True
 
@@ -517,6 +523,7 @@ class Subscription:
         now = self._broker._monotonic()
         todo: list[Message] = []
         late: list[Message] = []
+        newly_late: list[Message] = []  # (middleware hears of an expiry once)
         with self._lock:  # atomic with a hand-back from another thread (see _begin)
             discard = self._unsettled.discard
             for msg in batch:
@@ -528,6 +535,8 @@ class Subscription:
                 elif state == "acked":
                     continue
                 elif state is None or state == "expired":
+                    if state is None:
+                        newly_late.append(msg)
                     msg._state = "expired"
                     late.append(msg)
                     discard(msg)
@@ -541,7 +550,7 @@ class Subscription:
                 for msg in todo:
                     if not stale or msg._receipt in stale:
                         msg._state = "expired"
-                self._gone([m for m in todo if m._state == "expired"])
+                self._gone([*newly_late, *(m for m in todo if m._state == "expired")])
                 chain = self._broker._chain
                 if chain.settlers and (done := [m for m in todo if m._state == "acked"]):
                     chain.settled(self, "ack", done, chain.now())
@@ -555,7 +564,7 @@ class Subscription:
                         self._unsettled.add(msg)
                 raise
         if late:
-            self._gone(late)
+            self._gone(newly_late)
             raise _ran_out(late)
 
     def _check_nack(self, delay: object) -> None:
@@ -760,7 +769,12 @@ class Broker:
         self._closed = False
         self._lock = threading.Lock()
         self._subs: set[Subscription] = set()
-        middleware.bind(self)
+        try:
+            middleware.bind(self)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                driver.close()
+            raise
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -1338,9 +1352,10 @@ def _topic_of(item: object) -> object:
 
 def _batch_publishing(backend: str, items: list[Any]) -> Publishing:
     """What middleware sees of a ``publish_batch`` (its topic when all share one)."""
-    topics = {_topic_of(item) for item in items}
-    topic = topics.pop() if len(topics) == 1 else None
-    return Publishing(backend, topic if isinstance(topic, str) else None, len(items))
+    topics = [_topic_of(item) for item in items]
+    first = topics[0] if topics else None
+    same = isinstance(first, str) and all(t == first for t in topics)
+    return Publishing(backend, first if same and isinstance(first, str) else None, len(items))
 
 
 def _ids(ids: Collection[str] | None) -> Collection[str] | None:

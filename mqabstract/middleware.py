@@ -7,7 +7,7 @@ on the caller's thread or task, so a scope may set context variables (the curren
 for the code it wraps.
 
 - ``publishing(pub)``: around one publish call (``publish``, ``publish_batch``,
-  ``publish_columns``, the Spark sink's calls). Entered before the messages are checked:
+  ``publish_columns``). Entered before the messages are checked:
   headers it adds to ``pub.headers`` go into every message of the call (a message's own
   header of the same name wins) and are validated with the rest. A scope that raises on
   entry stops the call: nothing is sent (``MiddlewareError``). On exit it sees the error
@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import MiddlewareError, MQError
+from .errors import InvalidArgument, MiddlewareError, MQError
 
 if TYPE_CHECKING:
     from .broker import Broker, Message, Subscription
@@ -100,11 +100,15 @@ class Chain:
 
     __slots__ = ("handlers", "items", "publishers", "receivers", "settlers")
 
-    def __init__(self, items: Sequence[Middleware] = ()) -> None:
+    def __init__(self, items: Sequence[Middleware] | None = ()) -> None:
+        if items is None:
+            items = ()
+        if isinstance(items, Middleware) or not isinstance(items, (list, tuple)):
+            raise InvalidArgument(
+                f"middleware must be a list of mqabstract.Middleware, not "
+                f"{type(items).__name__}")
         for mw in items:
             if not isinstance(mw, Middleware):
-                from .errors import InvalidArgument
-
                 raise InvalidArgument(
                     f"middleware must be mqabstract.Middleware instances, not "
                     f"{type(mw).__name__}")
@@ -211,8 +215,16 @@ class Chain:
                 log.exception("middleware %s: settled failed", type(mw).__name__)
 
     def bind(self, broker: Broker) -> None:
+        """Bind each middleware; one that fails is a ``MiddlewareError`` (the caller
+        closes what it opened)."""
         for mw in self.items:
-            mw.bind(broker)
+            try:
+                mw.bind(broker)
+            except MQError:
+                raise
+            except Exception as exc:
+                raise MiddlewareError(f"middleware {type(mw).__name__} failed to bind: "
+                                      f"{type(exc).__name__}: {exc}") from exc
 
     def unbind(self, broker: Broker) -> None:
         for mw in self.items:

@@ -37,8 +37,9 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import MissingDependency, MQError
+from .errors import MiddlewareError, MissingDependency, MQError, ValidationError
 from .middleware import Middleware, Publishing
+from .url import redact
 
 try:
     from opentelemetry import context as otel_context
@@ -62,6 +63,9 @@ SYSTEMS = {"sqs": "aws_sqs", "rabbitmq": "rabbitmq", "kafka": "kafka"}
 OUTCOMES = {"ack": "acked", "nack": "nacked", "dead_letter": "dead_lettered",
             "expired": "expired", "release": "released"}
 STATES = ("ready", "leased", "delayed", "dead")
+#: Distinct attribute sets a counter keeps; later ones are summed under ``OVERFLOW``.
+MAX_SERIES = 2000
+OVERFLOW: tuple[tuple[str, Any], ...] = (("otel.metric.overflow", True),)
 
 SYSTEM = "messaging.system"
 DESTINATION = "messaging.destination.name"
@@ -129,7 +133,8 @@ class _Send:
         elif pub.ids is not None and len(pub.ids) == 1:
             span.set_attribute(MESSAGE_ID, pub.ids[0])
         span.end()
-        otel.sent.add(pub.count, attrs)
+        if not isinstance(exc, (ValidationError, MiddlewareError)):  # else nothing was sent
+            otel.sent.add(pub.count, attrs)
         otel.duration.record(seconds, attrs)
 
 
@@ -184,6 +189,8 @@ class _Tally:
     def add(self, n: int, attrs: Mapping[str, Any]) -> None:
         key = tuple(attrs.items())
         with self._lock:
+            if key not in self._totals and len(self._totals) >= MAX_SERIES:
+                key = OVERFLOW  # bounded, as the SDK's cardinality limit does it
             self._totals[key] = self._totals.get(key, 0) + n
 
     def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
@@ -192,9 +199,12 @@ class _Tally:
 
 
 def _failed(span: Any, exc: BaseException) -> None:
+    """Mark ``span`` failed with an ``exception`` event of type and message only: a
+    stack trace would carry the chained native error, whose text is not redacted."""
     span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
     span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}"))
-    span.record_exception(exc)
+    span.add_event("exception", {"exception.type": type(exc).__qualname__,
+                                 "exception.message": redact(str(exc))[:1000]})
 
 
 class OpenTelemetry(Middleware):
@@ -317,12 +327,17 @@ class OpenTelemetry(Middleware):
                 return readings
             readings = []
             for broker in list(self._brokers):
-                if broker.closed:
+                if broker.closed or not broker.capabilities.lists_groups:
                     continue
                 try:
-                    readings += [(broker, broker.stats(g)) for g in broker.groups()]
+                    groups = broker.groups()
                 except MQError:
-                    continue  # away, or cannot list its groups: no reading this time
+                    continue  # away: no reading this time
+                for group in groups:
+                    try:
+                        readings.append((broker, broker.stats(group)))
+                    except MQError:
+                        continue  # deleted meanwhile, or away
             self._reading = (time.monotonic(), readings)
             return readings
 

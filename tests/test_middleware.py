@@ -263,3 +263,57 @@ def test_opentelemetry_gauges_read_every_groups_stats() -> None:
                   if m.name == "mqabstract.group.messages" for p in m.data.data_points]
     assert ("g1", "ready", 3) in points and ("g2", "ready", 1) in points, points
     assert ("g1", "dead", 0) in points
+
+
+def test_review_regressions_typed_errors_and_one_expiry_notice() -> None:
+    log: list[Any] = []
+    clock = FakeClock()
+    with mqabstract.connect(memory_url(), clock=clock, middleware=[Recorder("a", log)]) as mq:
+        with pytest.raises(mqabstract.InvalidName):  # an unhashable topic: typed, not raw
+            mq.publish_batch([(["t"], b"x")])
+        sub = mq.subscribe("g", "t.#", lease=10)
+        mq.publish("t.1", b"x")
+        [msg] = sub.receive(1, 1)
+        clock.advance(11)
+        for settle in (msg.ack, msg.ack, msg.nack):
+            with pytest.raises(mqabstract.LeaseExpired):
+                settle()
+    assert [e for e in log if e[1] == "settled"] == [("a", "settled", "expired", 1, True)]
+    with pytest.raises(mqabstract.InvalidArgument, match="list"):
+        mqabstract.connect(memory_url(), middleware=Recorder("a", []))  # type: ignore[arg-type]
+
+    class BadBind(Middleware):
+        def bind(self, broker: mqabstract.Broker) -> None:
+            raise ValueError("no")
+
+    with pytest.raises(mqabstract.MiddlewareError, match="bind"):
+        mqabstract.connect(memory_url(), middleware=[BadBind()])
+
+
+def test_span_exception_events_carry_no_chained_secret() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from mqabstract.otel import OpenTelemetry
+
+    spans = InMemorySpanExporter()
+    tracing = TracerProvider()
+    tracing.add_span_processor(SimpleSpanProcessor(spans))
+    with mqabstract.connect(memory_url(), middleware=[
+            OpenTelemetry(tracer_provider=tracing, gauges=False)]) as mq:
+        sub = mq.subscribe("g", "t.#", max_attempts=1)
+        mq.publish("t.1", b"x")
+
+        def handler(msg: mqabstract.Message) -> None:
+            try:
+                raise ConnectionError("cannot reach amqp://admin:hunter2@rabbit:5672/")
+            except ConnectionError as exc:
+                raise ValueError("downstream failed") from exc
+
+        sub.consume(handler, max_messages=1, idle_timeout=2)
+    [process] = [s for s in spans.get_finished_spans() if s.name == "process g"]
+    [event] = process.events
+    assert event.attributes["exception.type"] == "ValueError"
+    assert "hunter2" not in repr([(s.name, dict(s.attributes), [dict(e.attributes)
+                                   for e in s.events]) for s in spans.get_finished_spans()])

@@ -484,9 +484,11 @@ class SQSDriver(Driver):
                                   QueueUrl=url).get("Tags", {})
             except NotFound:  # deleted meanwhile
                 continue
-            if "mqabstract:group" in tags:
-                out.append(tags["mqabstract:group"])
-        return out
+            group = tags.get("mqabstract:group")
+            # (another prefix that starts with ours lists its queues too: keep only ours)
+            if group is not None and url.rsplit("/", 1)[-1] == self._names(group)[2]:
+                out.append(group)
+        return sorted(set(out))
 
     def delete_group(self, group: str) -> None:
         with self._lock:
