@@ -124,6 +124,10 @@ class RabbitMQSubscription(DriverSubscription):
         # any, the watchdog must not cut the connection (the broker would redeliver the
         # original with the same attempt as its copy).
         self._inflight = 0
+        # Message ids of those copies: a copy that arrives before its original's ack went
+        # out is not handed out yet (frozen or killed then, the original would come back
+        # too, its attempt repeating the copy's).
+        self._copying: dict[str | None, int] = {}
         self._dog: _Watchdog | None = None
         self._dog_key: str | None = None
         self._dog_sent = math.nan  # the last release time reported to the watchdog
@@ -223,9 +227,15 @@ class RabbitMQSubscription(DriverSubscription):
         if dog is not None and key is not None:
             dog.send(f"X {key}")
 
-    def _release_done(self, count: int) -> None:
+    def _release_done(self, count: int, ids: Sequence[str | None] = ()) -> None:
         with self._cond:
             self._inflight -= count
+            for mid in ids:
+                left = self._copying.get(mid, 0) - 1
+                if left > 0:
+                    self._copying[mid] = left
+                else:
+                    self._copying.pop(mid, None)
             self._report_locked(time.monotonic())
             self._cond.notify_all()
 
@@ -474,9 +484,25 @@ class RabbitMQSubscription(DriverSubscription):
                                       if j not in good])
             finally:
                 if then is not None:
-                    then()
+                    self._io_after_flush(then)
 
         self._io_send([c[1] for c in copies], _Pending(len(copies), done))
+
+    def _io_after_flush(self, fn: Callable[[], None], tries: int = 0) -> None:
+        """``fn()`` once what this connection wrote is on the wire: pika buffers frames
+        and sends them on a later pass of its loop, and a copy handed out before its
+        original's ack left the process would meet that original again if the process
+        froze right then. Polled every 5 ms, at most 1 s (then run anyway)."""
+        transport = getattr(getattr(self._conn, "_transport", None), "get_write_buffer_size",
+                            None)
+        try:
+            pending = transport() if transport is not None else 0
+        except Exception:
+            pending = 0
+        if pending and tries < 200 and not self._closed:
+            self._link.ioloop.call_later(0.005, lambda: self._io_after_flush(fn, tries + 1))
+            return
+        fn()
 
     def _io_tick(self, now: float) -> None:
         with self._lock:
@@ -595,10 +621,15 @@ class RabbitMQSubscription(DriverSubscription):
                                 break
                             self._cond.wait(left)
                     now = time.time()
+                    later: list[tuple[int, int, _Raw]] = []
                     while self._buf and len(out) < max_messages:
-                        raw = heapq.heappop(self._buf)[2]
+                        entry = heapq.heappop(self._buf)
+                        raw = entry[2]
                         if raw.gen != self._ch_gen or raw.gen <= self._cut_gen:
                             continue  # from a channel that is gone: it comes back anyway
+                        if self._copying and raw.props.message_id in self._copying:
+                            later.append(entry)  # its original's ack is on its way
+                            continue
                         due = raw.due()
                         if due is not None and due > now:
                             again.append((raw, due))
@@ -615,6 +646,11 @@ class RabbitMQSubscription(DriverSubscription):
                         token = self._leases.grant((raw, attempt), self.spec.lease,
                                                    start=started)
                         out.append(self._driver._delivery(raw, attempt, token))
+                    for entry in later:
+                        heapq.heappush(self._buf, entry)
+                    for raw, _ in again:
+                        mid = raw.props.message_id
+                        self._copying[mid] = self._copying.get(mid, 0) + 1
                     self._inflight += len(again)
                     if out or again:
                         self._report_locked(time.monotonic())
@@ -625,6 +661,9 @@ class RabbitMQSubscription(DriverSubscription):
                 self._recopy(again)
             if out or self._closed or deadline - time.monotonic() <= 0:
                 return out
+            if later:  # only copies waiting for their original's ack: not a busy loop
+                with self._cond:
+                    self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _recopy(self, items: list[tuple[_Raw, float | None]]) -> None:
         """Send messages back to the queue instead of delivering them: early ones (out of
@@ -637,8 +676,9 @@ class RabbitMQSubscription(DriverSubscription):
                                                              due)))
         finally:
             count = len(items)
+            ids = [raw.props.message_id for raw, _ in items]
             self._link.call(lambda: self._io_copy_then_ack(
-                copies, lambda: self._release_done(count)))
+                copies, lambda: self._release_done(count, ids)))
 
     def _stale(self, receipt: Any, *more: Any) -> LeaseExpired:
         why = self._lost_why or "its channel closed"
