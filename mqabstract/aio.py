@@ -513,7 +513,7 @@ class AsyncBroker:
         broker._check_open()
         chain = broker._chain
         if chain.publishers:
-            pub = Publishing.of(broker.backend, topic)
+            pub = Publishing(broker.backend, topic if isinstance(topic, str) else None, 1)
 
             async def send() -> list[str]:
                 return [await self._publish(
@@ -601,7 +601,8 @@ class AsyncBroker:
             return await self._run(broker.publish_columns, topic, bodies, ids=ids, keys=keys,
                                    headers=headers, row_headers=row_headers)
         broker._check_open()
-        pub = Publishing.of(broker.backend, topic, bodies)
+        pub = Publishing(broker.backend, topic if isinstance(topic, str) else None,
+                         len(bodies) if isinstance(bodies, Sequence) else 0)
         return await broker._chain.apublish(pub, lambda: self._run(
             broker._publish_columns, topic, bodies, ids, keys, _with(pub.headers, headers),
             row_headers))

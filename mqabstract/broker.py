@@ -940,7 +940,7 @@ class Broker:
         self._check_open()
         chain = self._chain
         if chain.publishers:
-            pub = Publishing.of(self.backend, topic)
+            pub = Publishing(self.backend, topic if isinstance(topic, str) else None, 1)
             return chain.publish(pub, lambda: self._publish_one(
                 topic, body, _with(pub.headers, headers), key, priority, delay, deliver_at,
                 id))[0]
@@ -1067,7 +1067,8 @@ class Broker:
         self._check_open()
         chain = self._chain
         if chain.publishers:
-            pub = Publishing.of(self.backend, topic, bodies)
+            pub = Publishing(self.backend, topic if isinstance(topic, str) else None,
+                             len(bodies) if isinstance(bodies, Sequence) else 0)
             return chain.publish(pub, lambda: self._publish_columns(
                 topic, bodies, ids, keys, _with(pub.headers, headers), row_headers))
         return self._publish_columns(topic, bodies, ids, keys, headers, row_headers)

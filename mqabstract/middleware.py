@@ -62,13 +62,6 @@ class Publishing:
     headers: dict[str, str] = field(default_factory=dict)
     ids: list[str] | None = None
 
-    @classmethod
-    def of(cls, backend: str, topic: object, bodies: object = None) -> Publishing:
-        """What middleware sees of a call, before its input is checked: ``topic`` only if
-        it is a str, the count of ``bodies`` (one message when None)."""
-        count = 1 if bodies is None else len(bodies) if isinstance(bodies, Sequence) else 0
-        return cls(backend, topic if isinstance(topic, str) else None, count)
-
 
 class Middleware:
     """Base class: every hook does nothing. Override the ones you need."""
