@@ -51,7 +51,8 @@ from .consuming import (
     check_handler,
     renew,
 )
-from .errors import Closed, InvalidArgument, MQError, PublishError
+from .dedupe import DedupeStore
+from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError
 from .middleware import Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 
@@ -227,16 +228,18 @@ class AsyncSubscription:
         auto_extend: bool | None = None,
         grace: float = 30.0,
         signals: bool = False,
+        dedupe: DedupeStore | None = None,
     ) -> ConsumeStats:
         """The sync ``consume`` with a coroutine handler, ``concurrency`` of them as tasks:
         the same settle rules, per-key order, ``auto_extend``, typed payloads and stop
         (``stop()``, or SIGTERM/SIGINT on this event loop with ``signals=True``: no more
         messages, ``grace`` seconds for running handlers, then they are cancelled and
-        their messages handed back)."""
+        their messages handed back) and ``dedupe`` (an idempotent consumer)."""
         check_handler(handler, coroutine=True)
         loop = ConsumeLoop(self.subscription, max_messages=max_messages,
                            idle_timeout=idle_timeout, batch=batch, wait=wait, backoff=backoff,
-                           concurrency=concurrency, auto_extend=auto_extend, grace=grace)
+                           concurrency=concurrency, auto_extend=auto_extend, grace=grace,
+                           dedupe=dedupe)
         if not isinstance(signals, bool):
             raise InvalidArgument(f"signals must be a bool, got {signals!r}")
         self.subscription._check_open()
@@ -346,6 +349,13 @@ class _TaskConsume:
         for msg in self.flight.take():
             self.tasks[id(msg)] = asyncio.create_task(self._handle(msg))
 
+    async def _store(self, call: Callable[[Message], T], msg: Message) -> T:
+        """A dedupe store call: on the I/O thread when the store does I/O (SQLite)."""
+        store = self.loop.dedupe
+        if store is not None and store.blocking:
+            return await self.run_io(call, msg)
+        return call(msg)
+
     async def _handle(self, msg: Message) -> None:
         names: Sequence[str] = ()
         later = False
@@ -354,11 +364,16 @@ class _TaskConsume:
             exc: Exception | None = None
             if invalid is None:
                 try:
+                    if await self._store(self.loop.seen, msg):
+                        raise Duplicate(msg.id)
                     if self.chain.handlers:
                         await self.chain.ahandle(
                             msg, lambda: self.handler(AsyncMessage(msg, self.asub)))
                     else:
                         await self.handler(AsyncMessage(msg, self.asub))
+                    await self._store(self.loop.processed, msg)
+                except Duplicate:
+                    self.loop.count(("duplicates",))
                 except Exception as raised:
                     exc = raised
             if not self.flight.settle(msg):

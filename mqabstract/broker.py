@@ -32,6 +32,7 @@ from .consuming import (
     check_handler,
     stop_on_signals,
 )
+from .dedupe import DedupeStore
 from .driver import Driver, DriverSubscription
 from .errors import (
     AlreadySettled,
@@ -615,6 +616,7 @@ class Subscription:
         auto_extend: bool | None = None,
         grace: float = 30.0,
         signals: bool = False,
+        dedupe: DedupeStore | None = None,
     ) -> ConsumeStats:
         """Call ``handler`` for each message until stopped; return what happened.
 
@@ -636,11 +638,16 @@ class Subscription:
         ``grace`` seconds and then hands theirs back too: nothing is lost, only the
         unfinished come again. Retryable broker errors (a dropped connection) are retried
         with backoff; others propagate.
+
+        With ``dedupe`` (a ``mqabstract.dedupe`` store) the loop is an idempotent consumer:
+        a message whose id the store has recorded for this group is acked without calling
+        the handler (``ConsumeStats.duplicates``); after a handler succeeds the store records
+        the id, then the message is acked.
         """
         check_handler(handler, coroutine=False)
         loop = ConsumeLoop(self, max_messages=max_messages, idle_timeout=idle_timeout,
                            batch=batch, wait=wait, backoff=backoff, concurrency=concurrency,
-                           auto_extend=auto_extend, grace=grace)
+                           auto_extend=auto_extend, grace=grace, dedupe=dedupe)
         if not isinstance(signals, bool):
             raise InvalidArgument(f"signals must be a bool, got {signals!r}")
         self._check_open()

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from .capabilities import Feature
 from .checks import check_count, check_seconds
-from .errors import InvalidArgument, MQError
+from .dedupe import DedupeStore
+from .errors import Duplicate, InvalidArgument, MQError
 from .url import redact
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class ConsumeStats:
     invalid: int = 0  #: payload failed the subscription's model: dead-lettered, never retried
     released: int = 0  #: handed back unfinished at a stop (never started, or outlived grace)
     extended: int = 0  #: lease renewals made by ``auto_extend``
+    duplicates: int = 0  #: already processed (``dedupe``): acked, handler not called
 
     def __iadd__(self, other: ConsumeStats) -> ConsumeStats:
         for f in fields(self):
@@ -189,7 +191,7 @@ class ConsumeLoop:
     def __init__(self, sub: Subscription, *, max_messages: int | None,
                  idle_timeout: float | None, batch: int, wait: float,
                  backoff: Backoff | None, concurrency: int, auto_extend: bool | None,
-                 grace: float) -> None:
+                 grace: float, dedupe: DedupeStore | None = None) -> None:
         check_count(batch, "batch")
         check_count(concurrency, "concurrency")
         if max_messages is not None:
@@ -200,6 +202,10 @@ class ConsumeLoop:
             raise InvalidArgument(f"auto_extend must be a bool or None, got {auto_extend!r}")
         if backoff is not None and not isinstance(backoff, Backoff):
             raise InvalidArgument("backoff must be a mqabstract.Backoff")
+        if dedupe is not None and not isinstance(dedupe, DedupeStore):
+            raise InvalidArgument("dedupe must be a mqabstract.dedupe store (MemoryStore, "
+                                  f"SQLiteStore), got {type(dedupe).__name__}")
+        self.dedupe = dedupe
         spec: GroupSpec = sub.spec
         can_extend = sub._broker.capabilities.supports(Feature.LEASE_EXTEND)
         if auto_extend and not can_extend:
@@ -252,6 +258,16 @@ class ConsumeLoop:
     def count(self, names: Sequence[str]) -> None:
         for name in names:
             setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def seen(self, msg: Message) -> bool:
+        """Whether the ``dedupe`` store says this group already processed ``msg``'s id."""
+        return self.dedupe is not None and self.dedupe.seen(msg.group, msg.id)
+
+    def processed(self, msg: Message) -> None:
+        """``msg``'s handler succeeded: the ``dedupe`` store remembers its id (before the ack,
+        so a crash in between makes the redelivery a duplicate)."""
+        if self.dedupe is not None:
+            self.dedupe.record(msg.group, msg.id)
 
     def due(self, now: float) -> list[Message]:
         """Messages whose lease ``auto_extend`` renews now (less than half of it left)."""
@@ -407,10 +423,17 @@ class ThreadedConsume:
             return
         try:
             invalid = self.sub._invalid(msg)
+            duplicate = False
             if invalid is None:
                 exc: Exception | None = None
                 try:
-                    self.handler(msg)
+                    if self.loop.seen(msg):
+                        duplicate = True
+                    else:
+                        self.handler(msg)
+                        self.loop.processed(msg)
+                except Duplicate:
+                    duplicate = True
                 except Exception as raised:
                     exc = raised
             with self.cond:
@@ -420,6 +443,8 @@ class ThreadedConsume:
                 names = self.sub._reject(msg, invalid)
             else:
                 names = self.sub._outcome(msg, exc, self.loop.backoff)
+                if duplicate:
+                    names = (*names, "duplicates")
         except MQError as exc:  # the broker refused the settle: the lease brings it back
             log.warning("consume: settling %s failed: %s", msg.id, exc)
         except Exception:  # a bug: logged (a pool would drop it), the lease brings it back

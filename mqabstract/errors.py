@@ -12,6 +12,7 @@ __all__ = [
     "Closed",
     "ConnectionFailed",
     "DecodeError",
+    "Duplicate",
     "EncodeError",
     "InvalidArgument",
     "InvalidName",
@@ -22,6 +23,7 @@ __all__ = [
     "MissingDependency",
     "NotFound",
     "PublishError",
+    "StoreError",
     "Timeout",
     "Unsupported",
     "ValidationError",
@@ -85,6 +87,20 @@ class LeaseExpired(MQError):
                  receipts: tuple[object, ...] = ()) -> None:
         super().__init__(message, index=index)
         self.receipts = receipts
+
+
+class Duplicate(MQError):
+    """This message's id was already processed (an idempotent consumer's store says so).
+
+    Raised by ``SQLiteStore.transaction`` before the handler's work starts; a consume loop
+    with ``dedupe=`` acks the message without counting a failure."""
+
+
+class StoreError(MQError):
+    """A dedupe store could not read or record an id (its file, disk or lock); retrying
+    can help. The message was not acked: it comes again."""
+
+    retryable = True
 
 
 class MissingDependency(MQError):

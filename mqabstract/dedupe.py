@@ -1,0 +1,296 @@
+"""Idempotent consumers: stores that remember which message ids a group has processed.
+
+Delivery is at-least-once on every backend: a consumer that dies after its handler
+succeeded but before the ack gets the message again. ``consume(handler, dedupe=store)``
+turns that into effectively-once processing: before the handler runs the loop asks the
+store whether the group already processed this id (then the message is acked, the
+handler not called, ``ConsumeStats.duplicates`` counts it); after the handler succeeded
+the store records the id, then the message is acked.
+
+A crash between the handler's side effect and the store's record still repeats the side
+effect. ``SQLiteStore.transaction`` closes that window for side effects that live in the
+same SQLite file: they commit in one transaction with the id, or not at all.
+
+Ids are kept per group for ``retention`` seconds and at most ``max_entries`` of them:
+the oldest go first. A duplicate that comes after its id was forgotten is processed again,
+so the retention must outlast redeliveries (leases, retries, replays of dead letters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sqlite3
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from .clock import Clock, SystemClock
+from .errors import Duplicate, InvalidArgument, StoreError, Timeout
+
+if TYPE_CHECKING:
+    from .broker import Message
+
+__all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]
+
+T = TypeVar("T")
+
+#: Ids are remembered a week unless told otherwise (Kafka's default retention).
+DEFAULT_RETENTION = 7 * 86400.0
+
+
+def _check(retention: object, max_entries: object) -> tuple[float, int]:
+    if isinstance(retention, bool) or not isinstance(retention, (int, float)) \
+            or not math.isfinite(retention) or retention <= 0:
+        raise InvalidArgument(f"retention must be a finite number of seconds > 0, "
+                              f"got {retention!r}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+        raise InvalidArgument(f"max_entries must be an int ≥ 1, got {max_entries!r}")
+    return float(retention), max_entries
+
+
+def _key(group: object, mid: object) -> tuple[str, str]:
+    if not isinstance(group, str) or not isinstance(mid, str):
+        raise InvalidArgument("a dedupe key is a (group, message id) pair of strings")
+    return group, mid
+
+
+class DedupeStore:
+    """What ``consume(dedupe=…)`` needs: ``seen`` before the handler, ``record`` after it.
+
+    ``blocking`` says whether the calls do I/O (the asyncio consume then runs them on its
+    I/O thread, not on the event loop)."""
+
+    blocking = False
+    retention: float
+    max_entries: int
+
+    def seen(self, group: str, mid: str) -> bool:
+        """Whether ``group`` has processed message ``mid`` within the retention window."""
+        raise NotImplementedError
+
+    def record(self, group: str, mid: str) -> None:
+        """Remember that ``group`` processed ``mid`` (idempotent)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources (idempotent)."""
+
+    def __enter__(self) -> DedupeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MemoryStore(DedupeStore):
+    """Ids in this process's memory: survives redeliveries, not a restart of the process.
+
+    For tests, for the memory backend, and for consumers whose duplicates come from lease
+    expiry within one process's life."""
+
+    def __init__(self, *, retention: float = DEFAULT_RETENTION, max_entries: int = 1_000_000,
+                 clock: Clock | None = None) -> None:
+        self.retention, self.max_entries = _check(retention, max_entries)
+        self._time = (clock or SystemClock()).time
+        self._ids: OrderedDict[tuple[str, str], float] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+
+    def seen(self, group: str, mid: str) -> bool:
+        key = _key(group, mid)
+        with self._lock:
+            at = self._ids.get(key)
+            return at is not None and at > self._time() - self.retention
+
+    def record(self, group: str, mid: str) -> None:
+        key = _key(group, mid)
+        now = self._time()
+        with self._lock:
+            self._ids.pop(key, None)
+            self._ids[key] = now
+            cutoff = now - self.retention
+            ids = self._ids
+            while ids and (len(ids) > self.max_entries or next(iter(ids.values())) <= cutoff):
+                ids.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
+    def __repr__(self) -> str:
+        return f"MemoryStore(retention={self.retention:g}, max_entries={self.max_entries})"
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS mq_processed (
+    seq INTEGER PRIMARY KEY, grp TEXT NOT NULL, id TEXT NOT NULL, at REAL NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS mq_processed_key ON mq_processed (grp, id);
+CREATE INDEX IF NOT EXISTS mq_processed_at ON mq_processed (at);
+"""
+
+#: A new row (a new ``seq``) also for an id recorded before: ``seq`` orders by recording,
+#: so keeping the newest ``max_entries`` is one range delete on the primary key.
+_RECORD = "INSERT OR REPLACE INTO mq_processed (grp, id, at) VALUES (?, ?, ?)"
+
+#: Records between two prunes of expired and surplus ids (one indexed DELETE each).
+PRUNE_EVERY = 1000
+
+
+class SQLiteStore(DedupeStore):
+    """Ids in a SQLite file: survives restarts, shared by every process on one machine.
+
+    WAL mode, one short transaction per call on a connection per thread; a write lock held
+    by another process longer than ``busy_timeout`` raises the retryable ``Timeout``.
+    Expired and surplus ids are pruned every ``PRUNE_EVERY`` records.
+    """
+
+    blocking = True
+
+    def __init__(self, path: str | os.PathLike[str], *, retention: float = DEFAULT_RETENTION,
+                 max_entries: int = 10_000_000, busy_timeout: float = 30.0,
+                 clock: Clock | None = None) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise InvalidArgument(f"path must be a file path, got {path!r}")
+        self.retention, self.max_entries = _check(retention, max_entries)
+        if isinstance(busy_timeout, bool) or not isinstance(busy_timeout, (int, float)) \
+                or not 0 < busy_timeout < math.inf:
+            raise InvalidArgument(f"busy_timeout must be seconds > 0, got {busy_timeout!r}")
+        self.path = Path(path)
+        self.busy_timeout = float(busy_timeout)
+        self._time = (clock or SystemClock()).time
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._since_prune = 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"dedupe store {self.path}: {exc.strerror}") from exc
+        self._run("open", lambda c: c.executescript(_SCHEMA))
+
+    # -- connections -----------------------------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"dedupe store {self.path} is closed")
+            conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout,
+                                   isolation_level=None, check_same_thread=False)
+            self._conns.append(conn)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        self._local.conn = conn
+        return conn
+
+    def _error(self, what: str, exc: sqlite3.Error) -> StoreError | Timeout:
+        text = str(exc)
+        if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
+            return Timeout(f"dedupe store {self.path}: {what}: the file stayed locked for "
+                           f"{self.busy_timeout:g}s")
+        return StoreError(f"dedupe store {self.path}: {what}: {text}")
+
+    def _run(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            return fn(self._conn())
+        except sqlite3.Error as exc:
+            raise self._error(what, exc) from exc
+
+    # -- the store ---------------------------------------------------------------------------
+    def seen(self, group: str, mid: str) -> bool:
+        key = _key(group, mid)
+        cutoff = self._time() - self.retention
+        row = self._run("seen", lambda c: c.execute(
+            "SELECT 1 FROM mq_processed WHERE grp = ? AND id = ? AND at > ?",
+            (*key, cutoff)).fetchone())
+        return row is not None
+
+    def record(self, group: str, mid: str) -> None:
+        key = _key(group, mid)
+        now = self._time()
+        self._run("record", lambda c: c.execute(
+            _RECORD, (*key, now)))
+        self._maybe_prune(now)
+
+    @contextlib.contextmanager
+    def transaction(self, msg: Message) -> Iterator[sqlite3.Connection]:
+        """A write transaction on this store's file that also records ``msg`` as processed.
+
+        Write the handler's side effects through the connection it yields: they commit
+        together with the id, or (an exception, a crash) neither does. Raises ``Duplicate``
+        before the block runs when the group already processed this id; the consume loop
+        then acks the message. The write lock is held until the block ends: keep it short.
+        """
+        key = _key(msg.group, msg.id)
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self._error("transaction", exc) from exc
+        try:
+            now = self._time()
+            if conn.execute("SELECT 1 FROM mq_processed WHERE grp = ? AND id = ? AND at > ?",
+                            (*key, now - self.retention)).fetchone() is not None:
+                raise Duplicate(f"message {key[1]!r} was already processed by group "
+                                f"{key[0]!r}")
+            yield conn
+            conn.execute(_RECORD, (*key, now))
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise self._error("transaction", exc) from exc
+            raise
+        self._maybe_prune(now)
+
+    def _maybe_prune(self, now: float) -> None:
+        with self._lock:
+            self._since_prune += 1
+            if self._since_prune < PRUNE_EVERY:
+                return
+            self._since_prune = 0
+        self.prune(now)
+
+    def prune(self, now: float | None = None) -> int:
+        """Forget expired ids and the oldest beyond ``max_entries``; returns how many."""
+        cutoff = (self._time() if now is None else now) - self.retention
+
+        def go(c: sqlite3.Connection) -> int:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                gone = c.execute("DELETE FROM mq_processed WHERE at <= ?", (cutoff,)).rowcount
+                gone += c.execute(
+                    "DELETE FROM mq_processed WHERE seq <= "
+                    "(SELECT max(seq) FROM mq_processed) - ?", (self.max_entries,)).rowcount
+                c.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    c.execute("ROLLBACK")
+                raise
+            return int(gone)
+
+        return self._run("prune", go)
+
+    def __len__(self) -> int:
+        return int(self._run("count", lambda c: c.execute(
+            "SELECT count(*) FROM mq_processed").fetchone()[0]))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return (f"SQLiteStore({str(self.path)!r}, retention={self.retention:g}, "
+                f"max_entries={self.max_entries})")
