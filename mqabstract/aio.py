@@ -133,6 +133,7 @@ class AsyncMessage:
     key = property(lambda self: self.message.key)
     priority = property(lambda self: self.message.priority)
     attempt = property(lambda self: self.message.attempt)
+    group = property(lambda self: self.message.group)
 
     @property
     def value(self) -> Any:
