@@ -13,6 +13,14 @@
         before that call: the lease deadline is at most t + LEASE), the ``RECV`` lines and
         ``HELD``; then wait for a line on stdin (the parent freezes this process meanwhile)
         and try to ack each message, printing ``ACKED id`` or ``EXPIRED id``.
+    worker.py dedupe URL GROUP PATTERN LEASE STORE KILL IDLE
+        ``consume`` with ``dedupe=SQLiteStore(STORE)``; the handler inserts a row into the
+        store file's ``effects`` table inside ``store.transaction`` (its side effect, once
+        per id or never). KILL is ``none``, ``inside:N`` (SIGKILL inside the Nth handler's
+        transaction: rolled back) or ``after:N`` (SIGKILL right after the Nth handler's
+        transaction committed, printing ``KILLED id``: between its success and the ack).
+        Prints ``STATS received acked duplicates`` when it exits after IDLE seconds
+        without messages.
     worker.py publish URL TOPIC COUNT PREFIX SEED
         publish COUNT messages with ids PREFIX-n, mixing single publishes and batches;
         ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
@@ -85,6 +93,35 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
     mq.close()
 
 
+def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, kill: str,
+           idle: float) -> None:
+    from mqabstract.dedupe import SQLiteStore
+
+    phase, _, nth = kill.partition(":")
+    kill_at = int(nth) if nth else -1
+    handled = 0
+    store = SQLiteStore(store_path)
+    mq = mqabstract.connect(url)
+    sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
+    out("READY")
+
+    def handler(msg: mqabstract.Message) -> None:
+        nonlocal handled
+        handled += 1
+        with store.transaction(msg) as db:
+            db.execute("INSERT INTO effects VALUES (?, ?, ?)", (msg.id, msg.attempt, os.getpid()))
+            if phase == "inside" and handled == kill_at:
+                die()  # before the commit: neither the effect nor the id stays
+        if phase == "after" and handled == kill_at:
+            out("KILLED", msg.id)
+            die()  # the effect and the id are committed; the message is not acked
+
+    stats = sub.consume(handler, idle_timeout=idle, batch=20, wait=0.5)
+    out("STATS", stats.received, stats.acked, stats.duplicates)
+    mq.close()
+    store.close()
+
+
 def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
     with mqabstract.connect(url) as mq:
         sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
@@ -137,6 +174,8 @@ if __name__ == "__main__":
                 args[6], int(args[7]), int(args[8]) if len(args) > 8 else 5)
     elif mode == "hold":
         hold(args[0], args[1], args[2], float(args[3]), int(args[4]))
+    elif mode == "dedupe":
+        dedupe(args[0], args[1], args[2], float(args[3]), args[4], args[5], float(args[6]))
     elif mode == "publish":
         publish(args[0], args[1], int(args[2]), args[3], int(args[4]))
     else:
