@@ -517,6 +517,7 @@ class AsyncBroker:
         delay: float | None = None,
         deliver_at: datetime | None = None,
         id: str | None = None,
+        ttl: float | None = None,
     ) -> str:
         """``Broker.publish``: confirmed by the broker when it returns; the message id.
 
@@ -534,17 +535,19 @@ class AsyncBroker:
             async def send() -> list[str]:
                 return [await self._publish(
                     topic, body, _with(pub.headers, headers), key, priority, delay,
-                    deliver_at, id)]
+                    deliver_at, id, ttl)]
 
             return (await chain.apublish(pub, send))[0]
-        return await self._publish(topic, body, headers, key, priority, delay, deliver_at, id)
+        return await self._publish(topic, body, headers, key, priority, delay, deliver_at, id,
+                                   ttl)
 
     async def _publish(self, topic: str, body: Any, headers: Mapping[str, str] | None,
                        key: str | None, priority: int | None, delay: float | None,
-                       deliver_at: datetime | None, id: str | None) -> str:
+                       deliver_at: datetime | None, id: str | None,
+                       ttl: float | None = None) -> str:
         broker = self.broker
         env = broker._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
-                               broker._now())
+                               broker._now(), ttl)
         if not (self._busy or self._senders):  # alone: at once; others queue behind it
             self._busy = True
             try:

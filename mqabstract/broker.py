@@ -20,7 +20,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal
 
-from . import codec, names
+from . import codec, names, wire
 from .capabilities import Capabilities, Feature
 from .checks import check_count as _check_count
 from .checks import check_seconds as _check_seconds
@@ -57,6 +57,7 @@ from .model import (
     OutgoingMessage,
     utc,
 )
+from .requests import ReplyRoute
 from .typed import Model
 from .url import BrokerURL, redact
 
@@ -65,7 +66,19 @@ __all__ = ["Backoff", "Broker", "ConsumeStats", "Message", "Subscription"]
 log = logging.getLogger("mqabstract")
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+_CARRIED = wire.CARRIED
+_EXPIRES_AT = wire.EXPIRES_AT
+#: What a group does with a message whose TTL ended before delivery (``declare(expired=)``).
+EXPIRED_CHOICES = ("dead_letter", "drop")
 _UNDECODED = object()
+
+
+def _ttl_ended(text: str, now: float) -> bool:
+    """Whether an ``mq-expires-at`` value is past (an unreadable one never expires)."""
+    try:
+        return float(text) <= now
+    except ValueError:
+        return False
 
 
 class _IdSource:
@@ -95,7 +108,8 @@ class _IdSource:
 _ids_source = _IdSource()
 
 
-_FIELDS = frozenset(("topic", "body", "headers", "key", "priority", "delay", "deliver_at", "id"))
+_FIELDS = frozenset(("topic", "body", "headers", "key", "priority", "delay", "deliver_at", "id",
+                     "ttl"))
 
 
 def _as_columns(items: list[Any]) -> tuple[str, list[Any], list[str] | None,
@@ -111,7 +125,8 @@ def _as_columns(items: list[Any]) -> tuple[str, list[Any], list[str] | None,
     t: Any
     for item in items:
         if type(item) is OutgoingMessage:
-            if item.priority is not None or item.delay is not None or item.deliver_at:
+            if item.priority is not None or item.delay is not None or item.deliver_at \
+                    or item.ttl is not None:
                 return None
             t, body, hdrs, key, mid = item.topic, item.body, item.headers, item.key, item.id
         elif type(item) is tuple and len(item) == 2:
@@ -119,7 +134,7 @@ def _as_columns(items: list[Any]) -> tuple[str, list[Any], list[str] | None,
             hdrs = key = mid = None
         elif isinstance(item, Mapping):
             if not item.keys() <= _FIELDS or "body" not in item or any(
-                    item.get(f) is not None for f in ("priority", "delay", "deliver_at")):
+                    item.get(f) is not None for f in ("priority", "delay", "deliver_at", "ttl")):
                 return None
             t, body = item.get("topic"), item["body"]
             hdrs, key, mid = item.get("headers"), item.get("key"), item.get("id")
@@ -259,6 +274,7 @@ class Message:
         "_state",
         "_sub",
         "_value",
+        "_wire",
         "attempt",
         "body",
         "headers",
@@ -272,11 +288,13 @@ class Message:
         self.id: str = delivery.id
         self.topic: str = delivery.topic
         self.body: bytes = delivery.body
+        headers = delivery.headers
+        self._wire: dict[str, str] | None = None
+        if headers and not _CARRIED.isdisjoint(headers):  # TTL, request/reply
+            self._wire = {k: headers[k] for k in _CARRIED if k in headers}
+            headers = {k: v for k, v in headers.items() if k not in _CARRIED}
         # Read-only view, no copy: drivers hand over a mapping nobody else mutates.
-        self.headers: Mapping[str, str] = (
-            MappingProxyType(delivery.headers)
-            if delivery.headers else _EMPTY
-        )
+        self.headers: Mapping[str, str] = MappingProxyType(headers) if headers else _EMPTY
         self.key: str | None = delivery.key
         self.priority: int = delivery.priority
         self.attempt: int = delivery.attempt
@@ -302,6 +320,30 @@ class Message:
     def group(self) -> str:
         """The group it was delivered to."""
         return self._sub.spec.name
+
+    @property
+    def expires_at(self) -> datetime | None:
+        """When its TTL ends (``publish(ttl=…)``); None without one."""
+        text = self._wire and self._wire.get(wire.EXPIRES_AT)
+        return utc(float(text)) if text else None
+
+    @property
+    def reply_to(self) -> str | None:
+        """The topic a reply goes to when this message is a request (``Broker.request``)."""
+        return self._wire.get(wire.REPLY_TO) if self._wire else None
+
+    @property
+    def correlation_id(self) -> str | None:
+        """The request this message answers, or (a request) the id its reply carries."""
+        return self._wire.get(wire.CORRELATION_ID) if self._wire else None
+
+    def reply(self, body: object, *, headers: Mapping[str, str] | None = None) -> str:
+        """Answer this request: publish ``body`` to its requester's reply route, carrying
+        its correlation id. ``InvalidArgument`` (nothing sent) when it asked for no reply.
+        Settle the request separately (``ack``), after the reply went out."""
+        if not self.reply_to or not self.correlation_id:
+            raise InvalidArgument(f"message {self.id!r} asked for no reply (no reply route)")
+        return self._sub._broker._reply(self.reply_to, self.correlation_id, body, headers)
 
     @property
     def published_at(self) -> datetime:
@@ -464,10 +506,16 @@ class Subscription:
                 # delivers them again once its own lease on them ends.
                 log.warning("receive from group %r returned %d messages after their lease "
                             "ended; they are delivered again", spec.name, len(batch))
+            now = None
             for delivery in batch:
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     self._expire(delivery)
                     continue
+                if delivery.headers and _EXPIRES_AT in delivery.headers:
+                    now = now or self._broker._now()
+                    if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
+                        self._ttl_ended(delivery, dead_letters)
+                        continue
                 if not late:
                     out.append(Message(delivery, self, lease_deadline))
             if out or self._closed or time.monotonic() >= deadline:
@@ -478,6 +526,16 @@ class Subscription:
             if chain.receivers:
                 chain.received(self, out, started)
         return out
+
+    def _ttl_ended(self, delivery: Delivery, dead_letters: bool) -> None:
+        """Its TTL ended before this group received it: never delivered; dead-lettered
+        with reason ``expired`` (or acked away, for ``expired="drop"`` groups)."""
+        if dead_letters and self.spec.expired == "dead_letter":
+            with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
+                self._inner.dead_letter(delivery.receipt, "expired", delivery.attempt - 1)
+        else:
+            with self._settling("ack", lambda: (Message(delivery, self, 0.0),)):
+                self._inner.ack((delivery.receipt,))
 
     def _expire(self, delivery: Delivery) -> None:
         reason = f"max attempts ({self.spec.max_attempts}) exceeded"
@@ -776,6 +834,7 @@ class Broker:
         self._closed = False
         self._lock = threading.Lock()
         self._subs: set[Subscription] = set()
+        self._route: ReplyRoute | None = None
         try:
             middleware.bind(self)
         except BaseException:
@@ -836,6 +895,8 @@ class Broker:
         deliver_at: datetime | None,
         message_id: str | None,
         now: float,
+        ttl: float | None = None,
+        wire_headers: Mapping[str, str] | None = None,
     ) -> Envelope:
         caps = self._caps
         names.check_topic(topic)
@@ -884,6 +945,15 @@ class Broker:
                         f"{caps.max_delay:g}s"
                     )
                 due = ts
+        if ttl is not None:
+            seconds = _check_seconds(ttl, "ttl", caps.max_ttl, allow_zero=False)
+            self._require(Feature.TTL)
+            if due is not None and due >= now + seconds:
+                raise InvalidArgument(f"the message would expire (ttl={seconds:g}s) before "
+                                      "its delay ends")
+            out_headers[wire.EXPIRES_AT] = repr(now + seconds)
+        if wire_headers:
+            out_headers.update(wire_headers)
         if message_id is None:
             message_id = _ids_source.next()
         else:
@@ -936,28 +1006,28 @@ class Broker:
         delay: float | None = None,
         deliver_at: datetime | None = None,
         id: str | None = None,
+        ttl: float | None = None,
     ) -> str:
         """Publish one message and wait for the broker's confirmation; return its id.
 
         ``body``: bytes pass through, str is UTF-8, dict/list/numbers are JSON. ``key`` keeps
         same-key messages in order (groups declared ``ordered=True``); ``priority`` 0-9,
         higher first; ``delay`` seconds or ``deliver_at`` (aware datetime) hold it back.
-        ``id`` defaults to a random UUID; set it to let consumers drop duplicates.
+        ``id`` defaults to a random UUID; set it to let consumers drop duplicates. ``ttl``
+        seconds after publishing, a group that has not received it yet never will: it goes
+        to the group's dead letters with reason ``expired`` (or is dropped, for groups
+        declared ``expired="drop"``).
         """
         self._check_open()
-        chain = self._chain
-        if chain.publishers:
-            pub = Publishing(self.backend, topic if isinstance(topic, str) else None, 1)
-            return chain.publish(pub, lambda: self._publish_one(
-                topic, body, _with(pub.headers, headers), key, priority, delay, deliver_at,
-                id))[0]
-        return self._publish_one(topic, body, headers, key, priority, delay, deliver_at, id)[0]
+        return self._publish_via_chain(topic, body, headers, key, priority, delay, deliver_at,
+                                       id, ttl, None)
 
     def _publish_one(self, topic: str, body: object, headers: Mapping[str, str] | None,
                      key: str | None, priority: int | None, delay: float | None,
-                     deliver_at: datetime | None, id: str | None) -> list[str]:
+                     deliver_at: datetime | None, id: str | None, ttl: float | None = None,
+                     wire_headers: Mapping[str, str] | None = None) -> list[str]:
         env = self._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
-                             self._now())
+                             self._now(), ttl, wire_headers)
         with self._guard:
             self._driver.publish((env,))
         return [env.id]
@@ -1002,7 +1072,7 @@ class Broker:
                     )
                 envelopes.append(
                     self._envelope(m.topic, m.body, _with(extra, m.headers), m.key,
-                                   m.priority, m.delay, m.deliver_at, m.id, now)
+                                   m.priority, m.delay, m.deliver_at, m.id, now, m.ttl)
                 )
             except ValidationError as exc:
                 raise type(exc)(str(exc), index=index) from exc
@@ -1181,8 +1251,11 @@ class Broker:
         ordered: bool,
         priority: bool,
         options: Mapping[str, Any],
+        expired: str = "dead_letter",
     ) -> GroupSpec:
         names.check_group(group)
+        if expired not in EXPIRED_CHOICES:
+            raise InvalidArgument(f"expired must be one of {EXPIRED_CHOICES}, got {expired!r}")
         names.check_pattern(pattern)
         if "*" in pattern.split(".") or "#" in pattern.split("."):
             self._require(Feature.WILDCARDS)
@@ -1196,7 +1269,7 @@ class Broker:
         if priority:
             self._require(Feature.PRIORITY)
         return GroupSpec(group, pattern, max_attempts, lease, bool(ordered), bool(priority),
-                         dict(options))
+                         dict(options), expired)
 
     def declare(
         self,
@@ -1207,6 +1280,7 @@ class Broker:
         lease: float = 30.0,
         ordered: bool = False,
         priority: bool = False,
+        expired: str = "dead_letter",
         **options: Any,
     ) -> GroupSpec:
         """Create a durable group on ``pattern`` (idempotent) without consuming.
@@ -1214,9 +1288,12 @@ class Broker:
         From now on the group keeps every message published to a matching topic, whether or
         not a consumer is attached. ``lease`` is the visibility timeout in seconds;
         ``max_attempts`` deliveries without ack move a message to the dead-letter store.
+        ``expired``: what a consumer of this group does with a message whose TTL ended
+        before it was delivered: ``"dead_letter"`` (reason ``expired``) or ``"drop"``.
         """
         self._check_open()
-        spec = self._spec(group, pattern, max_attempts, lease, ordered, priority, options)
+        spec = self._spec(group, pattern, max_attempts, lease, ordered, priority, options,
+                          expired)
         with self._guard:
             self._driver.declare(spec)
         return spec
@@ -1231,6 +1308,7 @@ class Broker:
         ordered: bool = False,
         priority: bool = False,
         model: type | None = None,
+        expired: str = "dead_letter",
         **options: Any,
     ) -> Subscription:
         """Declare the group (as ``declare``) and attach a consumer to it.
@@ -1241,7 +1319,7 @@ class Broker:
         typed = None if model is None else Model(model)
         spec = self.declare(
             group, pattern, max_attempts=max_attempts, lease=lease, ordered=ordered,
-            priority=priority, **options,
+            priority=priority, expired=expired, **options,
         )
         with self._guard:
             inner = self._driver.subscribe(spec)
@@ -1304,6 +1382,62 @@ class Broker:
         """Delete ``group`` with its queued and dead messages."""
         self._group_call(self._driver.delete_group, group)
 
+    # -- request/reply ----------------------------------------------------------------------
+    def request(
+        self,
+        topic: str,
+        body: object,
+        *,
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        priority: int | None = None,
+    ) -> Message:
+        """Publish a request and return its reply (a ``Message``, already acked).
+
+        A responder answers with ``msg.reply(body)`` (or a ``consume(…, reply=True)``
+        handler's return value). Replies come back on this broker's private reply route,
+        made at the first request and deleted by ``close``. ``Timeout`` when no reply came
+        within ``timeout`` seconds; the request itself expires then (``ttl=timeout``), and a
+        reply that still comes later is dropped, never handed to another request.
+        """
+        self._check_open()
+        seconds = _check_seconds(timeout, "timeout", math.inf, allow_zero=False)
+        self._require(Feature.REQUEST_REPLY)
+        ttl = min(seconds, self._caps.max_ttl)
+        with self._lock:
+            if self._route is None:
+                self._route = ReplyRoute(self)
+            route = self._route
+
+        def send(correlation: str) -> None:
+            wire_headers = {wire.REPLY_TO: route.topic, wire.CORRELATION_ID: correlation}
+            self._publish_via_chain(topic, body, headers, key, priority, None, None, None, ttl,
+                                    wire_headers)
+
+        return route.call(send, seconds)
+
+    def _reply(self, reply_to: str, correlation: str, body: object,
+               headers: Mapping[str, str] | None) -> str:
+        """``Message.reply``: publish to the requester's route with the correlation id."""
+        self._check_open()
+        return self._publish_via_chain(reply_to, body, headers, None, None, None, None, None,
+                                       None, {wire.CORRELATION_ID: correlation})
+
+    def _publish_via_chain(self, topic: str, body: object, headers: Mapping[str, str] | None,
+                           key: str | None, priority: int | None, delay: float | None,
+                           deliver_at: datetime | None, id: str | None, ttl: float | None,
+                           wire_headers: Mapping[str, str] | None) -> str:
+        """One message through the middleware (when any listens), then ``_publish_one``."""
+        chain = self._chain
+        if chain.publishers:
+            pub = Publishing(self.backend, topic if isinstance(topic, str) else None, 1)
+            return chain.publish(pub, lambda: self._publish_one(
+                topic, body, _with(pub.headers, headers), key, priority, delay, deliver_at,
+                id, ttl, wire_headers))[0]
+        return self._publish_one(topic, body, headers, key, priority, delay, deliver_at, id,
+                                 ttl, wire_headers)[0]
+
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
         """Close subscriptions (releasing their unsettled messages) and the connection.
@@ -1313,6 +1447,10 @@ class Broker:
         """
         if self._closed:
             return
+        with self._lock:
+            route, self._route = self._route, None
+        if route is not None:
+            route.close()
         with self._lock:
             subs = list(self._subs)
         first: BaseException | None = None

@@ -37,6 +37,8 @@ class Feature(enum.Enum):
     ORDERING = "ordering"  #: same-key messages in publish order (``declare(ordered=True)``)
     DEAD_LETTER = "dead_letter"  #: dead-letter store with list / replay / purge
     BATCH = "batch"  #: ``publish_batch`` sends many messages per broker round trip
+    TTL = "ttl"  #: ``publish(ttl=…)``: expired messages dead-lettered (reason ``expired``)
+    REQUEST_REPLY = "request_reply"  #: ``Broker.request`` / ``Message.reply``
 
     @property
     def description(self) -> str:
@@ -54,7 +56,13 @@ _DESCRIPTIONS = {
     Feature.ORDERING: "per-key order",
     Feature.DEAD_LETTER: "dead letters",
     Feature.BATCH: "batch publish",
+    Feature.TTL: "message TTL",
+    Feature.REQUEST_REPLY: "request / reply",
 }
+
+#: Features the portable layer builds over any backend's other features: EMULATED unless a
+#: driver declares otherwise.
+PORTABLE = {Feature.TTL: Support.EMULATED, Feature.REQUEST_REPLY: Support.EMULATED}
 
 
 #: ``GroupStats`` counts a backend may report, and how it knows them.
@@ -75,6 +83,7 @@ class Capabilities:
     max_headers: int = 64
     max_header_bytes: int = 16 * 1024  #: total of header names + values, UTF-8
     max_delay: float = 365 * 86400.0  #: seconds; longer delays raise InvalidArgument
+    max_ttl: float = 365 * 86400.0  #: seconds; longer TTLs raise InvalidArgument
     max_batch: int = 1000  #: messages per driver call; the portable layer chunks larger batches
     max_priority: int = 9
     max_lease: float = 12 * 3600.0  #: longest lease (visibility timeout / extend), seconds
@@ -95,6 +104,7 @@ class Capabilities:
     notes: Mapping[Feature, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "features", {**PORTABLE, **self.features})
         missing = set(Feature) - set(self.features)
         if missing:
             names = ", ".join(sorted(f.value for f in missing))
@@ -133,4 +143,5 @@ class Capabilities:
     @classmethod
     def all_native(cls, **limits: object) -> Capabilities:
         """Every feature NATIVE: the reference backends."""
-        return cls(features={f: Support.NATIVE for f in Feature}, **limits)  # type: ignore[arg-type]
+        return cls(features={f: Support.NATIVE for f in Feature if f not in PORTABLE},
+                   **limits)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ class OutgoingMessage:
     delay: float | None = None
     deliver_at: datetime | None = None
     id: str | None = None
+    ttl: float | None = None  #: seconds; see ``Broker.publish``
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,8 @@ class GroupSpec:
     ordered: bool = False
     priority: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: a message whose TTL ended before delivery: "dead_letter" (reason expired) or "drop"
+    expired: str = "dead_letter"
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 __all__ = [
     "ATTEMPT",
+    "CARRIED",
     "CORRELATION_ID",
     "DEAD_AT",
     "DELIVER_AT",
@@ -69,6 +70,11 @@ HOPS = "mq-hops"
 
 NAMES = frozenset({ID, ATTEMPT, PUBLISHED_AT, DELIVER_AT, EXPIRES_AT, REASON, DEAD_AT, KEY,
                    TOPIC, REPLY_TO, CORRELATION_ID, HOPS})
+
+#: Wire headers a driver hands back among a delivery's headers, untouched: the portable
+#: layer reads them (``Message.expires_at``, ``reply_to``, ``correlation_id``) and takes
+#: them out of the headers users see.
+CARRIED = frozenset({EXPIRES_AT, REPLY_TO, CORRELATION_ID})
 
 #: One-letter keys of the packed form (one attribute holding a JSON object).
 PACKED = {

@@ -792,6 +792,8 @@ class KafkaSubscription(DriverSubscription):
         for k, v in r.headers or ():
             if k.startswith(prefix):
                 meta[k] = v.decode("utf-8", "replace") if v else ""
+                if k in wire.CARRIED:
+                    headers[k] = meta[k]
             else:
                 headers[k] = v.decode("utf-8", "replace") if v else ""
         key = r.key

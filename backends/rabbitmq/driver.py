@@ -300,6 +300,8 @@ class RabbitMQDriver(Driver):
                     key = _text(value)
                 elif name == H_PUBLISHED:
                     published = float(_text(value))
+                elif name in wire.CARRIED:
+                    headers[name] = _text(value)
                 continue
             if name in _BROKER_HEADERS:
                 continue
