@@ -66,6 +66,9 @@ class Message:
     def extend(self, seconds: float) -> None:
         self._loop.call(self.amessage.extend(seconds))
 
+    def reply(self, body: Any, **options: Any) -> str:
+        return self._loop.call(self.amessage.reply(body, **options))
+
     def __repr__(self) -> str:
         return repr(self.amessage)
 
@@ -127,6 +130,10 @@ class Broker:
     def subscribe(self, group: str, pattern: str, **options: Any) -> Subscription:
         return Subscription(self._loop.call(self.abroker.subscribe(group, pattern, **options)),
                             self._loop)
+
+    def request(self, topic: str, body: Any, **options: Any) -> Message:
+        return Message(self._loop.call(self.abroker.request(topic, body, **options)),
+                       self._loop)
 
     def __enter__(self) -> Broker:
         return self

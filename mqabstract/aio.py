@@ -50,6 +50,7 @@ from .consuming import (
     ConsumeStats,
     check_handler,
     renew,
+    replying,
 )
 from .dedupe import DedupeStore
 from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError
@@ -167,6 +168,24 @@ class AsyncMessage:
         """Renew the lease: keep the message ours for ``seconds`` from now."""
         await self._run(self.message.extend, seconds)
 
+    @property
+    def expires_at(self) -> datetime | None:
+        return self.message.expires_at
+
+    @property
+    def reply_to(self) -> str | None:
+        return self.message.reply_to
+
+    @property
+    def correlation_id(self) -> str | None:
+        return self.message.correlation_id
+
+    async def reply(self, body: Any, *, headers: Mapping[str, str] | None = None) -> str:
+        """``Message.reply``: answer this request (``InvalidArgument`` if it asked for none)."""
+        if not self.reply_to or not self.correlation_id:
+            return self.message.reply(body, headers=headers)  # raises, nothing sent
+        return await self._run(self.message.reply, body, headers=headers)
+
     def __repr__(self) -> str:
         return f"Async{self.message!r}"
 
@@ -230,13 +249,15 @@ class AsyncSubscription:
         grace: float = 30.0,
         signals: bool = False,
         dedupe: DedupeStore | None = None,
+        reply: bool = False,
     ) -> ConsumeStats:
         """The sync ``consume`` with a coroutine handler, ``concurrency`` of them as tasks:
         the same settle rules, per-key order, ``auto_extend``, typed payloads and stop
         (``stop()``, or SIGTERM/SIGINT on this event loop with ``signals=True``: no more
         messages, ``grace`` seconds for running handlers, then they are cancelled and
-        their messages handed back) and ``dedupe`` (an idempotent consumer)."""
+        their messages handed back), ``dedupe`` (an idempotent consumer) and ``reply``."""
         check_handler(handler, coroutine=True)
+        handler = replying(handler, reply)  # type: ignore[assignment]
         loop = ConsumeLoop(self.subscription, max_messages=max_messages,
                            idle_timeout=idle_timeout, batch=batch, wait=wait, backoff=backoff,
                            concurrency=concurrency, auto_extend=auto_extend, grace=grace,
@@ -656,6 +677,24 @@ class AsyncBroker:
 
     async def delete_group(self, group: str) -> None:
         await self._run(self.broker.delete_group, group)
+
+    async def request(self, topic: str, body: Any, *, timeout: float = 30.0,
+                      headers: Mapping[str, str] | None = None, key: str | None = None,
+                      priority: int | None = None) -> AsyncMessage:
+        """``Broker.request``: the reply (already acked), or ``Timeout``.
+
+        The wait runs on a thread of asyncio's default executor, not on this broker's I/O
+        pool (a slow responder must not hold up other calls); a cancelled request's thread
+        still waits out its reply or timeout, and that reply is dropped."""
+        self.broker._check_open()
+        reply = await asyncio.to_thread(self.broker.request, topic, body, timeout=timeout,
+                                        headers=headers, key=key, priority=priority)
+        return AsyncMessage(reply, self._replies())
+
+    def _replies(self) -> AsyncSubscription:
+        route = self.broker._route
+        assert route is not None and route._sub is not None  # made by the request
+        return AsyncSubscription(route._sub, self._run)
 
     async def close(self) -> None:
         """Close the broker (its subscriptions first), then the I/O pool."""

@@ -30,6 +30,7 @@ from .consuming import (
     ConsumeStats,
     ThreadedConsume,
     check_handler,
+    replying,
     stop_on_signals,
 )
 from .dedupe import DedupeStore
@@ -675,6 +676,7 @@ class Subscription:
         grace: float = 30.0,
         signals: bool = False,
         dedupe: DedupeStore | None = None,
+        reply: bool = False,
     ) -> ConsumeStats:
         """Call ``handler`` for each message until stopped; return what happened.
 
@@ -700,9 +702,11 @@ class Subscription:
         With ``dedupe`` (a ``mqabstract.dedupe`` store) the loop is an idempotent consumer:
         a message whose id the store has recorded for this group is acked without calling
         the handler (``ConsumeStats.duplicates``); after a handler succeeds the store records
-        the id, then the message is acked.
+        the id, then the message is acked. With ``reply=True`` a handler's non-None return
+        value answers a request (``Message.reply``) before the ack.
         """
         check_handler(handler, coroutine=False)
+        handler = replying(handler, reply)
         loop = ConsumeLoop(self, max_messages=max_messages, idle_timeout=idle_timeout,
                            batch=batch, wait=wait, backoff=backoff, concurrency=concurrency,
                            auto_extend=auto_extend, grace=grace, dedupe=dedupe)

@@ -300,6 +300,35 @@ def check_handler(handler: object, coroutine: bool) -> None:
         raise InvalidArgument("a coroutine handler needs the asyncio API (mqabstract.aio)")
 
 
+def replying(handler: Callable[[Any], object], reply: object) -> Callable[[Any], object]:
+    """``consume(reply=True)``: a handler's non-None return value answers a request (a
+    message with a reply route) before the message is acked; a failed reply is a failure
+    of the handler (the request comes again)."""
+    if not isinstance(reply, bool):
+        raise InvalidArgument(f"reply must be a bool, got {reply!r}")
+    if not reply:
+        return handler
+    import inspect
+
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            getattr(handler, "__call__", None)):  # noqa: B004
+        async def answer_async(msg: Any) -> object:
+            result = await handler(msg)  # type: ignore[misc]
+            if result is not None and msg.reply_to:
+                await msg.reply(result)
+            return result
+
+        return answer_async
+
+    def answer(msg: Any) -> object:
+        result = handler(msg)
+        if result is not None and msg.reply_to:
+            msg.reply(result)
+        return result
+
+    return answer
+
+
 @contextmanager
 def stop_on_signals(enabled: bool, stop: Callable[[], None]) -> Iterator[None]:
     """While the block runs, SIGTERM and SIGINT call ``stop`` (then the previous handlers
