@@ -60,6 +60,7 @@ _LIMITS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("max body", lambda c: format_bytes(c.max_body_bytes)),
     ("max headers", lambda c: f"{c.max_headers} / {format_bytes(c.max_header_bytes)}"),
     ("max delay", lambda c: format_seconds(c.max_delay)),
+    ("max TTL", lambda c: format_seconds(c.max_ttl)),
     ("min lease", lambda c: f"{c.min_lease:g} s"),
     ("max lease", lambda c: format_seconds(c.max_lease)),
     ("frozen holder's messages back within", lambda c: f"lease + {c.release_margin:g} s"),

@@ -75,7 +75,7 @@ class ReplyRoute:
                     raise Timeout(f"no reply within {timeout:g}s (request {correlation})")
                 if self._turn.acquire(timeout=min(left, TURN)):
                     try:
-                        self._read(sub, min(left, 0.5))
+                        self._read(sub, min(left, 1.0))
                     finally:
                         self._turn.release()
                 else:

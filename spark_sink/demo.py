@@ -4,7 +4,9 @@
 
 1. Spark (``local[2]``) generates ``--rows`` orders and publishes them through the
    ``mqabstract`` sink to ``orders.<region>.created`` (JSON value, customer key, headers).
-2. A consumer group ``billing`` on ``orders.#`` processes them with ``Subscription.consume``.
+2. A consumer group ``billing`` on ``orders.#`` processes them with ``Subscription.consume``
+   as an idempotent consumer (``dedupe=SQLiteStore``): a redelivered order whose billing
+   already succeeded is acked without billing it again.
    The handler fails on purpose: 2 % of orders fail once (a "flaky downstream") and are
    redelivered after a short backoff; 0.1 % always fail ("poison") and are dead-lettered
    after ``max_attempts`` deliveries.
@@ -31,6 +33,7 @@ from typing import Any
 
 import mqabstract
 from mqabstract import Backoff, Message
+from mqabstract.dedupe import SQLiteStore
 
 GROUP = "billing"
 PATTERN = "orders.#"
@@ -51,12 +54,12 @@ def is_poison(order_id: int) -> bool:
 
 
 class Billing:
-    """The consumer's handler: bills each order once, dropping duplicates by message id."""
+    """The consumer's handler: bills an order. Duplicates never reach it: the consume loop
+    drops them by message id (``dedupe``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.seen: set[str] = set()
-        self.duplicates = 0
+        self.processed = 0
         self.revenue: Counter[str] = Counter()
         self.orders: Counter[str] = Counter()
 
@@ -68,10 +71,7 @@ class Billing:
         if is_flaky(oid) and msg.attempt == 1:
             raise ConnectionError(f"order {oid}: payment service timed out")
         with self.lock:
-            if msg.id in self.seen:  # at-least-once delivery: drop a redelivered duplicate
-                self.duplicates += 1
-                return
-            self.seen.add(msg.id)
+            self.processed += 1
             self.revenue[order["region"]] += order["amount"]
             self.orders[order["region"]] += 1
 
@@ -127,7 +127,8 @@ def publish(spark: Any, url: str, rows: int) -> float:
     return time.perf_counter() - started
 
 
-def consume(url: str, consumers: int, expected: int, timeout: float) -> tuple[Billing, Any, float]:
+def consume(url: str, consumers: int, expected: int, timeout: float, store: SQLiteStore
+            ) -> tuple[Billing, Any, float]:
     """Run ``consumers`` competing consumers until the group is drained (or ``timeout``)."""
     billing = Billing()
     stop = threading.Event()
@@ -138,7 +139,8 @@ def consume(url: str, consumers: int, expected: int, timeout: float) -> tuple[Bi
         try:
             with mqabstract.connect(url) as mq:
                 sub = mq.subscribe(GROUP, PATTERN, max_attempts=MAX_ATTEMPTS)
-                stats.append(sub.consume(billing, batch=200, wait=0.2, backoff=BACKOFF, stop=stop))
+                stats.append(sub.consume(billing, batch=200, wait=0.2, backoff=BACKOFF,
+                                         stop=stop, dedupe=store))
         except BaseException as exc:
             errors.append(exc)
             stop.set()
@@ -152,11 +154,11 @@ def consume(url: str, consumers: int, expected: int, timeout: float) -> tuple[Bi
     with mqabstract.connect(url) as mq:
         while not stop.is_set():
             s = mq.stats(GROUP)
-            done = len(billing.seen) + (s.dead or 0)
+            done = billing.processed + (s.dead or 0)
             now = time.perf_counter()
             if tty or now - shown >= 5:
                 shown = now
-                print(f"{chr(13) if tty else ''}  consumed {len(billing.seen):>9,}  "
+                print(f"{chr(13) if tty else ''}  consumed {billing.processed:>9,}  "
                       f"dead {s.dead or 0:>6,}  "
                       f"waiting {(s.ready or 0) + (s.leased or 0) + (s.delayed or 0):>9,}",
                       end="" if tty else "\n", flush=True)
@@ -176,7 +178,8 @@ def consume(url: str, consumers: int, expected: int, timeout: float) -> tuple[Bi
         raise errors[0]
     total = mqabstract.ConsumeStats()
     for s in stats:
-        for field in ("received", "acked", "retried", "dead_lettered", "failed"):
+        for field in ("received", "acked", "retried", "dead_lettered", "failed",
+                      "duplicates"):
             setattr(total, field, getattr(total, field) + getattr(s, field))
     return billing, total, elapsed
 
@@ -231,12 +234,14 @@ def run(url: str, rows: int, consumers: int, timeout: float) -> int:
 
     print(f"consuming  group {GROUP!r} on {PATTERN!r} with {consumers} consumers, "
           f"max_attempts={MAX_ATTEMPTS}", flush=True)
-    billing, stats, con_s = consume(url, consumers, rows + backlog, timeout)
+    with tempfile.TemporaryDirectory(prefix="mqabstract-dedupe-") as tmp, \
+            SQLiteStore(os.path.join(tmp, "billed.db")) as store:
+        billing, stats, con_s = consume(url, consumers, rows + backlog, timeout, store)
     with mqabstract.connect(url) as mq:
         after = mq.stats(GROUP)
         sample = mq.dead_letters(GROUP, limit=1)
 
-    processed, dead = len(billing.seen), after.dead or 0
+    processed, dead = billing.processed, after.dead or 0
     expect_dead = sum(1 for i in range(rows) if is_poison(i))
     expect_retried = sum(1 for i in range(rows) if is_flaky(i) and not is_poison(i)) + \
         expect_dead * (MAX_ATTEMPTS - 1)
@@ -250,7 +255,7 @@ def run(url: str, rows: int, consumers: int, timeout: float) -> int:
           f"expected {expect_retried:,})")
     print(f"  dead       {dead:>{width},}  (poison orders after {MAX_ATTEMPTS} attempts; "
           f"expected {expect_dead:,})")
-    print(f"  duplicates {billing.duplicates:>{width},}  (redeliveries dropped by message id)")
+    print(f"  duplicates {stats.duplicates:>{width},}  (redeliveries acked unbilled: dedupe store)")
     if sample:
         print(f"  e.g. dead  {sample[0].id}: {sample[0].reason}")
     for region in REGIONS:

@@ -150,6 +150,7 @@ class KafkaDriver(Driver):
         max_header_bytes=16 * 1024,
         # Topics keep records 7 days by default: a delayed record must outlive its delay.
         max_delay=6 * 86400.0,
+        max_ttl=6 * 86400.0,  # records live for the topics' retention (7 days by default)
         max_batch=10_000,
         max_priority=0,
         max_receive=1000,

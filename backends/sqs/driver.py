@@ -132,6 +132,7 @@ class SQSDriver(Driver):
         max_headers=64,
         max_header_bytes=MAX_HEADER_BYTES,
         max_delay=MAX_DELAY,
+        max_ttl=MAX_DELAY,  # queued messages are deleted after 14 days (RETENTION)
         max_batch=PUBLISH_MAX,
         max_priority=0,
         max_lease=float(MAX_VISIBILITY),
