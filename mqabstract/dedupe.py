@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]
 
 T = TypeVar("T")
+_S = TypeVar("_S", bound="DedupeStore")
 
 #: Ids are remembered a week unless told otherwise (Kafka's default retention).
 DEFAULT_RETENTION = 7 * 86400.0
@@ -79,7 +80,7 @@ class DedupeStore:
     def close(self) -> None:
         """Release resources (idempotent)."""
 
-    def __enter__(self) -> DedupeStore:
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -156,15 +156,15 @@ def check_schema(schema: StructType, topic_option: str | None) -> dict[str, str]
             if not isinstance(t, _INTEGRAL):
                 raise _fail(name, f"must be an integer type (0-9), got {t.simpleString()}")
             kinds[name] = "int"
-        elif name == "delay":
+        elif name in ("delay", "ttl"):
             if not isinstance(t, _NUMERIC):
                 raise _fail(name, f"must be a number of seconds, got {t.simpleString()}")
             kinds[name] = "float"
         else:
             raise _fail(
                 name,
-                "unknown column; the sink takes value, key, headers, topic, priority, delay "
-                "(select or drop the others)",
+                "unknown column; the sink takes value, key, headers, topic, priority, delay, "
+                "ttl (select or drop the others)",
             )
     if "value" not in kinds:
         raise _fail("value", "required column is missing")
@@ -242,7 +242,7 @@ def _text(value: object, column: str) -> str:
 
 @dataclass
 class _Call:
-    """One ``publish_columns`` call (or, with priority/delay columns, one
+    """One ``publish_columns`` call (or, with priority/delay/ttl columns, one
     ``publish_batch``): the rows of one topic from one Arrow batch."""
 
     topic: str
@@ -253,12 +253,13 @@ class _Call:
     row_headers: list[dict[str, str] | None] | None = None
     priorities: list[int | None] | None = None
     delays: list[float | None] | None = None
+    ttls: list[float | None] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def send(self, broker: mqabstract.Broker) -> None:
-        if self.priorities is None and self.delays is None:
+        if self.priorities is None and self.delays is None and self.ttls is None:
             broker.publish_columns(self.topic, self.bodies, ids=self.ids, keys=self.keys,
                                    headers=self.headers, row_headers=self.row_headers)
             return
@@ -266,10 +267,11 @@ class _Call:
         none: list[Any] = [None] * n
         keys, rows = self.keys or none, self.row_headers or none
         prios, delays = self.priorities or none, self.delays or none
+        ttls = self.ttls or none
         broker.publish_batch([
             OutgoingMessage(self.topic, self.bodies[i],
                             {**(self.headers or {}), **(rows[i] or {})} or None, keys[i],
-                            prios[i], delays[i], None, self.ids[i])
+                            prios[i], delays[i], None, self.ids[i], ttls[i])
             for i in range(n)
         ])
 
@@ -280,7 +282,7 @@ class _Call:
 
         return _Call(self.topic, [self.ids[i] for i in rows], [self.bodies[i] for i in rows],
                      sub(self.keys), self.headers, sub(self.row_headers),
-                     sub(self.priorities), sub(self.delays))
+                     sub(self.priorities), sub(self.delays), sub(self.ttls))
 
 
 @dataclass(frozen=True)
@@ -336,13 +338,17 @@ class _Plan:
         delays = None
         if "delay" in cols:
             delays = [None if d is None else float(d) for d in cols["delay"].to_pylist()]
+        ttls = None
+        if "ttl" in cols:
+            ttls = [None if d is None else float(d) for d in cols["ttl"].to_pylist()]
         if self.topic is not None:
-            return [_Call(self.topic, ids, values, keys, shared, row_headers, prios, delays)]
+            return [_Call(self.topic, ids, values, keys, shared, row_headers, prios, delays,
+                          ttls)]
         topics = cols["topic"].to_pylist()
         if cols["topic"].null_count:
             bad = topics.index(None)
             raise _fail("topic", f"null in row {ids[bad]} and no `topic` option is set")
-        whole = _Call(topics[0], ids, values, keys, shared, row_headers, prios, delays)
+        whole = _Call(topics[0], ids, values, keys, shared, row_headers, prios, delays, ttls)
         if len(set(topics)) == 1:
             return [whole]
         by_topic: dict[str, list[int]] = {}
@@ -563,7 +569,8 @@ def _check_backend(url: str, kinds: Mapping[str, str]) -> None:
                 "cannot be reached from Spark executors; use a shared backend such as "
                 "sqlite:///path/to/file.db, amqp://, kafka:// or sqs://"
             )
-        for column, feature in (("priority", Feature.PRIORITY), ("delay", Feature.DELAY)):
+        for column, feature in (("priority", Feature.PRIORITY), ("delay", Feature.DELAY),
+                                ("ttl", Feature.TTL)):
             if column in kinds and not caps.supports(feature):
                 raise _fail(column, f"{broker.backend} does not support {feature.description}")
     finally:

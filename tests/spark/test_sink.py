@@ -259,6 +259,25 @@ def test_delay_column_holds_messages_back(spark: Any, sqlite_url: str) -> None:
     assert (stats.ready, stats.delayed) == (5, 5)
 
 
+def test_ttl_column_expires_messages_into_dead_letters(spark: Any, sqlite_url: str) -> None:
+    t = tag()
+    group, topic = f"sink-{t}", f"sink.{t}"
+    declare(sqlite_url, group, topic)
+    df = spark.range(0, 6, numPartitions=1).select(
+        F.col("id").cast("string").alias("value"),
+        F.when(F.col("id") < 3, F.lit(None)).otherwise(F.lit(0.2)).alias("ttl"),
+    )
+    save(df, sqlite_url, topic=topic)
+    time.sleep(0.5)
+    with mqabstract.connect(sqlite_url) as mq:
+        sub = mq.subscribe(group, topic)
+        got = sorted(m.body for m in sub.receive(10, 1.0))
+        dead = mq.dead_letters(group)
+    assert got == [b"0", b"1", b"2"]
+    assert sorted((d.body, d.reason) for d in dead) == [(b"3", "expired"), (b"4", "expired"),
+                                                        (b"5", "expired")]
+
+
 def test_task_retry_republishes_under_identical_ids(spark: Any, sqlite_url: str) -> None:
     """Partition 0's first attempt publishes a few chunks, then dies; Spark retries it."""
     from pyspark import TaskContext
