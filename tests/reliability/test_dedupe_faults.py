@@ -90,11 +90,10 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
     after_commit = sum(1 for w in killed for e in w.events() if e[0] == "KILLED")
     stats = [e for w in finished for e in w.events() if e[0] == "STATS"]
     duplicates = sum(int(e[3]) for e in stats)
-    reporter.emit(scenario="dedupe SIGKILL", backend=backend, messages=count,
-                  kills=len(killed), kills_after_commit=after_commit,
-                  duplicates_skipped=duplicates, effects_twice=len(twice),
-                  missing=len(missing), seconds=round(time.monotonic() - started, 1),
-                  seed=seed)
+    reporter.emit(scenario="dedupe SIGKILL", backend=backend, confirmed=count,
+                  kills=len(killed), kills_after_commit=after_commit, duplicates=duplicates,
+                  effects_twice=len(twice), lost=len(missing), problems=len(twice),
+                  seconds=round(time.monotonic() - started, 1), seed=seed)
     assert not twice, f"{len(twice)} side effects happened twice: {twice[:5]}"
     assert not missing, f"{len(missing)} ids never processed: {missing[:5]}"
     assert not left, f"messages left unacked: {[m.id for m in left]}"
