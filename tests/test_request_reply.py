@@ -1,0 +1,91 @@
+"""Request/reply over the memory reference: many threads sharing one reply route, the
+route's lifetime, asyncio requests, and consume(reply=True)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import mqabstract
+from mqabstract import aio
+
+
+def memory_url() -> str:
+    return f"memory://rr-{uuid.uuid4().hex}"
+
+
+def serve(mq: mqabstract.Broker, stop: threading.Event) -> threading.Thread:
+    sub = mq.subscribe("svc", "svc.#")
+
+    def run() -> None:
+        sub.consume(lambda m: {"n": m.value["n"], "square": m.value["n"] ** 2}, reply=True,
+                    stop=stop, concurrency=4, wait=0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_concurrent_requests_each_get_their_own_reply() -> None:
+    stop = threading.Event()
+    with mqabstract.connect(memory_url()) as mq:
+        worker = serve(mq, stop)
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(
+                lambda n: mq.request("svc.square", {"n": n}, timeout=10).value, range(200)))
+        stop.set()
+        worker.join(5)
+    assert replies == [{"n": n, "square": n * n} for n in range(200)]
+
+
+def test_the_route_is_made_once_and_deleted_at_close() -> None:
+    stop = threading.Event()
+    url = memory_url()
+    with mqabstract.connect(url) as mq:
+        worker = serve(mq, stop)
+        assert [g for g in mq.groups() if g.startswith("mq-reply-")] == []
+        mq.request("svc.x", {"n": 1}, timeout=10)
+        mq.request("svc.x", {"n": 2}, timeout=10)
+        routes = [g for g in mq.groups() if g.startswith("mq-reply-")]
+        assert len(routes) == 1
+        with mqabstract.connect(url) as other:  # another broker object: its own route
+            other.request("svc.x", {"n": 3}, timeout=10)
+            assert len([g for g in other.groups() if g.startswith("mq-reply-")]) == 2
+        assert [g for g in mq.groups() if g.startswith("mq-reply-")] == routes
+        stop.set()
+        worker.join(5)
+    with mqabstract.connect(url) as mq:
+        assert [g for g in mq.groups() if g.startswith("mq-reply-")] == []
+
+
+def test_consume_reply_ignores_none_and_plain_messages() -> None:
+    with mqabstract.connect(memory_url()) as mq:
+        sub = mq.subscribe("svc", "svc.#")
+        mq.publish("svc.x", b"not a request")
+        stats = sub.consume(lambda m: "answer", reply=True, max_messages=1)
+        assert stats.acked == 1 and stats.failed == 0  # nobody asked: no reply, no error
+        with pytest.raises(mqabstract.InvalidArgument):
+            sub.consume(lambda m: None, reply="yes", max_messages=1)  # type: ignore[arg-type]
+
+
+def test_asyncio_request_and_reply() -> None:
+    async def main() -> list[object]:
+        async with await aio.connect(memory_url()) as mq:
+            sub = await mq.subscribe("svc", "svc.#")
+
+            async def answer(msg: aio.AsyncMessage) -> object:
+                return {"echo": msg.value}
+
+            task = asyncio.create_task(sub.consume(answer, reply=True))
+            replies = [(await mq.request("svc.x", n, timeout=10)).value for n in range(5)]
+            with pytest.raises(mqabstract.Timeout):
+                await mq.request("nobody.x", 1, timeout=0.2)
+            sub.stop()
+            await task
+            return replies
+
+    assert asyncio.run(main()) == [{"echo": n} for n in range(5)]
