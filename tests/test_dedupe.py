@@ -212,9 +212,8 @@ def test_transaction_commits_side_effect_with_the_id(tmp_path: Path) -> None:
         "SELECT id, count(*) FROM effects GROUP BY id ORDER BY id").fetchall()
     assert rows == [("a", 1), ("boom", 1)]
     assert (stats.duplicates, stats.failed, stats.acked) == (1, 1, 3)
-    with pytest.raises(mqabstract.Duplicate):
-        with store.transaction(_Fake("g", "a")):
-            pass
+    with pytest.raises(mqabstract.Duplicate), store.transaction(_Fake("g", "a")):
+        pass
     store.close()
 
 
