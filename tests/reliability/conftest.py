@@ -43,6 +43,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("backends")
     if marker is not None:  # the scenario is meaningful only on these
         wanted = [b for b in wanted if kind(b) in marker.args]
+        if marker.kwargs.get("one_client"):  # a portable-layer scenario: the default client
+            wanted = [b for b in wanted if b == kind(b)]
     metafunc.parametrize("backend", wanted, scope="session")
 
 
