@@ -480,6 +480,8 @@ class _Record:
 
 
 class _Reader(Reader):
+    watched = True  # a group-less librdkafka consumer once stopped fetching after a restart
+
     def __init__(self, s: Settings, group: str = READER_GROUP, **extra: Any) -> None:
         cfg = _config(s)
         cfg.update({
@@ -603,16 +605,17 @@ class _Reader(Reader):
         low, _ = self._watermarks(tp)
         return low
 
-    def _watermarks(self, tp: TP) -> tuple[int, int]:
+    def _watermarks(self, tp: TP, timeout: float | None = None) -> tuple[int, int]:
         try:
-            low, high = self.c.get_watermark_offsets(ck.TopicPartition(*tp),
-                                                     timeout=self.timeout)
+            low, high = self.c.get_watermark_offsets(
+                ck.TopicPartition(*tp), timeout=self.timeout if timeout is None else timeout)
         except Exception as exc:
             raise classify(exc) from exc
         return int(low), int(high)
 
-    def end_offsets(self, tps: Collection[TP]) -> dict[TP, int]:
-        return {tp: self._watermarks(tp)[1] for tp in tps}
+    def end_offsets(self, tps: Collection[TP], timeout: float | None = None
+                    ) -> dict[TP, int]:
+        return {tp: self._watermarks(tp, timeout)[1] for tp in tps}
 
     def offsets_for_times(self, tps: Collection[TP], ms: int) -> dict[TP, int | None]:
         try:

@@ -185,6 +185,10 @@ class Admin(abc.ABC):
 class Reader(abc.ABC):
     """A consumer without group membership: manual assignment and positions."""
 
+    #: Whether the subscription watches it for a silent stop of fetching after a broker
+    #: restart (``KafkaSubscription._check_stalled``): seen once with librdkafka.
+    watched = False
+
     @abc.abstractmethod
     def assign(self, tps: Collection[TP]) -> None:
         """Read exactly ``tps`` (positions of partitions kept stay where they were)."""
@@ -207,7 +211,10 @@ class Reader(abc.ABC):
         """The offset of the next record ``poll`` returns for ``tp``."""
 
     @abc.abstractmethod
-    def end_offsets(self, tps: Collection[TP]) -> dict[TP, int]: ...
+    def end_offsets(self, tps: Collection[TP], timeout: float | None = None
+                    ) -> dict[TP, int]:
+        """The end offset (high watermark) per partition, waiting at most ``timeout``
+        seconds (None: the request timeout)."""
 
     @abc.abstractmethod
     def offsets_for_times(self, tps: Collection[TP], ms: int) -> dict[TP, int | None]:

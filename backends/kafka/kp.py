@@ -303,9 +303,10 @@ class _Reader(Reader):
         except Exception as exc:
             raise classify(exc) from exc
 
-    def end_offsets(self, tps: Collection[TP]) -> dict[TP, int]:
+    def end_offsets(self, tps: Collection[TP], timeout: float | None = None
+                    ) -> dict[TP, int]:
         try:
-            found = self.c.end_offsets(_native(tps))
+            found = self.c.end_offsets(_native(tps))  # (kafka-python: its request timeout)
         except Exception as exc:
             raise classify(exc) from exc
         return {TP(t.topic, t.partition): o for t, o in found.items()}
