@@ -15,6 +15,7 @@ is the hub named ""). Nothing survives the process.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import threading
@@ -23,9 +24,11 @@ from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
+from mqabstract import wire
 from mqabstract.capabilities import Capabilities
 from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.emulation import replay_headers
 from mqabstract.errors import Closed, InvalidArgument, NotFound
 from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
 from mqabstract.names import pattern_regex
@@ -409,7 +412,10 @@ class MemoryDriver(Driver):
             records = self._take_dead(g, ids)
             now = hub.clock.time()
             for r in records:
-                e = _Entry(r.entry.env, next(hub.seq))  # a fresh start: attempt 1 next
+                env = r.entry.env
+                if wire.EXPIRES_AT in env.headers:  # replayed: its TTL is over
+                    env = dataclasses.replace(env, headers=replay_headers(env.headers))
+                e = _Entry(env, next(hub.seq))  # a fresh start: attempt 1 next
                 hub.enqueue(g, e, now)
             return len(records)
 

@@ -63,6 +63,9 @@ log = logging.getLogger("mqabstract")
 
 T = TypeVar("T")
 
+#: Requests one AsyncBroker waits on at once (each holds a thread until its reply).
+REQUEST_THREADS = 64
+
 #: Longest single wait of a ``receive`` on a pool thread (seconds).
 SLICE = 0.5
 #: Batches of concurrent publishes in flight at once (each on an I/O thread).
@@ -513,6 +516,7 @@ class AsyncBroker:
 
     def __init__(self, broker: Broker, run: _Runner) -> None:
         self.broker = broker  #: the sync broker underneath
+        self._requests: concurrent.futures.ThreadPoolExecutor | None = None
         self._run = run
         self._outbox: list[tuple[Envelope, asyncio.Future[str]]] = []
         self._senders = 0  # tasks sending queued publishes (at most SENDERS)
@@ -683,18 +687,19 @@ class AsyncBroker:
                       priority: int | None = None) -> AsyncMessage:
         """``Broker.request``: the reply (already acked), or ``Timeout``.
 
-        The wait runs on a thread of asyncio's default executor, not on this broker's I/O
-        pool (a slow responder must not hold up other calls); a cancelled request's thread
-        still waits out its reply or timeout, and that reply is dropped."""
+        The wait runs on a thread of this broker's request pool (``REQUEST_THREADS``
+        requests at once; more queue), not on its I/O pool: a slow responder must not hold
+        up other calls. A cancelled request's thread still waits out its reply or timeout,
+        and that reply is dropped."""
         self.broker._check_open()
-        reply = await asyncio.to_thread(self.broker.request, topic, body, timeout=timeout,
-                                        headers=headers, key=key, priority=priority)
-        return AsyncMessage(reply, self._replies())
-
-    def _replies(self) -> AsyncSubscription:
-        route = self.broker._route
-        assert route is not None and route._sub is not None  # made by the request
-        return AsyncSubscription(route._sub, self._run)
+        if self._requests is None:
+            self._requests = concurrent.futures.ThreadPoolExecutor(
+                REQUEST_THREADS, thread_name_prefix="mqabstract-request")
+        reply = await asyncio.get_running_loop().run_in_executor(
+            self._requests, functools.partial(self.broker.request, topic, body,
+                                              timeout=timeout, headers=headers, key=key,
+                                              priority=priority))
+        return AsyncMessage(reply, AsyncSubscription(reply._sub, self._run))
 
     async def close(self) -> None:
         """Close the broker (its subscriptions first), then the I/O pool."""
@@ -702,6 +707,8 @@ class AsyncBroker:
             await self._run(self.broker.close)
         finally:
             self._run.shutdown()
+            if self._requests is not None:
+                self._requests.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncBroker:
         return self

@@ -9,6 +9,7 @@ chunking, the consume loop with retry/backoff, the dead-letter decision after
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -58,7 +59,7 @@ from .model import (
     OutgoingMessage,
     utc,
 )
-from .requests import ReplyRoute
+from .requests import REPLY_PREFIX, ReplyRoute
 from .typed import Model
 from .url import BrokerURL, redact
 
@@ -326,7 +327,11 @@ class Message:
     def expires_at(self) -> datetime | None:
         """When its TTL ends (``publish(ttl=…)``); None without one."""
         text = self._wire and self._wire.get(wire.EXPIRES_AT)
-        return utc(float(text)) if text else None
+        try:
+            at = float(text) if text else math.nan
+            return utc(at) if math.isfinite(at) else None
+        except (ValueError, OverflowError):  # a plain client's header: no TTL
+            return None
 
     @property
     def reply_to(self) -> str | None:
@@ -344,6 +349,9 @@ class Message:
         Settle the request separately (``ack``), after the reply went out."""
         if not self.reply_to or not self.correlation_id:
             raise InvalidArgument(f"message {self.id!r} asked for no reply (no reply route)")
+        if not self.reply_to.startswith(REPLY_PREFIX):
+            raise InvalidArgument(f"message {self.id!r} names {self.reply_to!r} as its reply "
+                                  "route, which is not a reply route")
         return self._sub._broker._reply(self.reply_to, self.correlation_id, body, headers)
 
     @property
@@ -508,6 +516,8 @@ class Subscription:
                 log.warning("receive from group %r returned %d messages after their lease "
                             "ended; they are delivered again", spec.name, len(batch))
             now = None
+            fresh: list[Message] = []
+            ended: list[Delivery] = []
             for delivery in batch:
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     self._expire(delivery)
@@ -515,10 +525,20 @@ class Subscription:
                 if delivery.headers and _EXPIRES_AT in delivery.headers:
                     now = now or self._broker._now()
                     if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
-                        self._ttl_ended(delivery, dead_letters)
+                        ended.append(delivery)
                         continue
                 if not late:
-                    out.append(Message(delivery, self, lease_deadline))
+                    fresh.append(Message(delivery, self, lease_deadline))
+            if ended:
+                self._ttl_ended(ended, dead_letters)
+                if fresh and self._broker._monotonic() >= lease_deadline:
+                    # Settling the expired ones took the rest of the lease (a backlog of
+                    # expired messages on a slow broker): as for a late receive.
+                    log.warning("receive from group %r: %d messages outlived their lease "
+                                "while %d expired ones were settled; they are delivered "
+                                "again", spec.name, len(fresh), len(ended))
+                    fresh = []
+            out += fresh
             if out or self._closed or time.monotonic() >= deadline:
                 break
         if out:
@@ -528,15 +548,19 @@ class Subscription:
                 chain.received(self, out, started)
         return out
 
-    def _ttl_ended(self, delivery: Delivery, dead_letters: bool) -> None:
-        """Its TTL ended before this group received it: never delivered; dead-lettered
-        with reason ``expired`` (or acked away, for ``expired="drop"`` groups)."""
+    def _ttl_ended(self, deliveries: Sequence[Delivery], dead_letters: bool) -> None:
+        """Their TTL ended before this group received them: never delivered; dead-lettered
+        with reason ``expired`` (or acked away in one call, for ``expired="drop"``)."""
         if dead_letters and self.spec.expired == "dead_letter":
-            with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
-                self._inner.dead_letter(delivery.receipt, "expired", delivery.attempt - 1)
+            for delivery in deliveries:
+                self._dead_letter_expired(delivery)
         else:
-            with self._settling("ack", lambda: (Message(delivery, self, 0.0),)):
-                self._inner.ack((delivery.receipt,))
+            with self._settling("ack", lambda: [Message(d, self, 0.0) for d in deliveries]):
+                self._inner.ack([d.receipt for d in deliveries])
+
+    def _dead_letter_expired(self, delivery: Delivery) -> None:
+        with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
+            self._inner.dead_letter(delivery.receipt, "expired", delivery.attempt - 1)
 
     def _expire(self, delivery: Delivery) -> None:
         reason = f"max attempts ({self.spec.max_attempts}) exceeded"
@@ -839,6 +863,7 @@ class Broker:
         self._lock = threading.Lock()
         self._subs: set[Subscription] = set()
         self._route: ReplyRoute | None = None
+        self._closing = False
         try:
             middleware.bind(self)
         except BaseException:
@@ -1347,7 +1372,10 @@ class Broker:
         """List up to ``limit`` dead letters of ``group``, oldest first."""
         self._require(Feature.DEAD_LETTER)
         _check_count(limit, "limit")
-        return self._group_call(self._driver.dead_letters, group, limit)  # type: ignore[no-any-return]
+        found: list[DeadLetter] = self._group_call(self._driver.dead_letters, group, limit)
+        return [d if _CARRIED.isdisjoint(d.headers) else dataclasses.replace(
+            d, headers={k: v for k, v in d.headers.items() if k not in _CARRIED})
+            for d in found]
 
     def replay_dead_letters(self, group: str, ids: Collection[str] | None = None) -> int:
         """Move dead letters (all, or those with ``ids``) back into the group as fresh
@@ -1402,14 +1430,19 @@ class Broker:
         A responder answers with ``msg.reply(body)`` (or a ``consume(…, reply=True)``
         handler's return value). Replies come back on this broker's private reply route,
         made at the first request and deleted by ``close``. ``Timeout`` when no reply came
-        within ``timeout`` seconds; the request itself expires then (``ttl=timeout``), and a
+        within ``timeout`` seconds; the request itself expires soon after (``ttl``), and a
         reply that still comes later is dropped, never handed to another request.
         """
         self._check_open()
         seconds = _check_seconds(timeout, "timeout", math.inf, allow_zero=False)
         self._require(Feature.REQUEST_REPLY)
-        ttl = min(seconds, self._caps.max_ttl)
+        # The request expires a little after its requester gives up (clocks differ).
+        ttl = min(seconds * 1.1 + 1.0, self._caps.max_ttl)
+        # Checked before a reply route is made for it: bad input leaves nothing behind.
+        self._envelope(topic, body, headers, key, priority, None, None, None, self._now(), ttl)
         with self._lock:
+            if self._closing:
+                raise Closed("the broker is closing")
             if self._route is None:
                 self._route = ReplyRoute(self)
             route = self._route
@@ -1452,6 +1485,7 @@ class Broker:
         if self._closed:
             return
         with self._lock:
+            self._closing = True
             route, self._route = self._route, None
         if route is not None:
             route.close()

@@ -266,7 +266,9 @@ class ConsumeLoop:
     def processed(self, msg: Message) -> None:
         """``msg``'s handler succeeded: the ``dedupe`` store remembers its id (before the ack,
         so a crash in between makes the redelivery a duplicate)."""
-        if self.dedupe is not None:
+        # Only when it will be acked: a handler that nacked or dead-lettered the message
+        # itself gave it back, and its redelivery (or replay) must be handled again.
+        if self.dedupe is not None and msg._state in (None, "acked"):
             self.dedupe.record(msg.group, msg.id)
 
     def due(self, now: float) -> list[Message]:

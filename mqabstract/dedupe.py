@@ -164,10 +164,13 @@ class SQLiteStore(DedupeStore):
         self.busy_timeout = float(busy_timeout)
         self._time = (clock or SystemClock()).time
         self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
+        # Every thread's connection with the lock held while it is used: close() takes each
+        # lock, so it never closes a connection under another thread's call (a crash).
+        self._conns: dict[threading.Thread, tuple[sqlite3.Connection, threading.RLock]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._since_prune = 0
+        self._pid = os.getpid()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -175,20 +178,38 @@ class SQLiteStore(DedupeStore):
         self._run("open", lambda c: c.executescript(_SCHEMA))
 
     # -- connections -----------------------------------------------------------------------
-    def _conn(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
+    def _entry(self) -> tuple[sqlite3.Connection, threading.RLock]:
+        """This thread's connection (made on first use; never shared with a forked child)."""
+        entry: tuple[sqlite3.Connection, threading.RLock] | None = getattr(
+            self._local, "entry", None)
+        if entry is not None and self._pid == os.getpid():
+            return entry
         with self._lock:
             if self._closed:
                 raise StoreError(f"dedupe store {self.path} is closed")
-            conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout,
-                                   isolation_level=None, check_same_thread=False)
-            self._conns.append(conn)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        self._local.conn = conn
-        return conn
+            if self._pid != os.getpid():  # a forked child: the parent's connections are not ours
+                self._pid, self._conns, self._local = os.getpid(), {}, threading.local()
+            gone = [t for t in self._conns if not t.is_alive()]
+            stale = [self._conns.pop(t) for t in gone]
+        for conn, lock in stale:  # connections of threads that ended (a consume's pool)
+            with lock, contextlib.suppress(sqlite3.Error):
+                conn.close()
+        conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout,
+                               isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error:
+            conn.close()
+            raise
+        entry = (conn, threading.RLock())
+        with self._lock:
+            if self._closed:
+                conn.close()
+                raise StoreError(f"dedupe store {self.path} is closed")
+            self._conns[threading.current_thread()] = entry
+        self._local.entry = entry
+        return entry
 
     def _error(self, what: str, exc: sqlite3.Error) -> StoreError | Timeout:
         text = str(exc)
@@ -199,7 +220,11 @@ class SQLiteStore(DedupeStore):
 
     def _run(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         try:
-            return fn(self._conn())
+            conn, lock = self._entry()
+            with lock:
+                if self._closed:
+                    raise StoreError(f"dedupe store {self.path} is closed")
+                return fn(conn)
         except sqlite3.Error as exc:
             raise self._error(what, exc) from exc
 
@@ -229,7 +254,19 @@ class SQLiteStore(DedupeStore):
         then acks the message. The write lock is held until the block ends: keep it short.
         """
         key = _key(msg.group, msg.id)
-        conn = self._conn()
+        try:
+            conn, lock = self._entry()
+        except sqlite3.Error as exc:
+            raise self._error("transaction", exc) from exc
+        with lock:
+            if self._closed:
+                raise StoreError(f"dedupe store {self.path} is closed")
+            with self._transaction(conn, key) as db:
+                yield db
+
+    @contextlib.contextmanager
+    def _transaction(self, conn: sqlite3.Connection, key: tuple[str, str]
+                     ) -> Iterator[sqlite3.Connection]:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -284,13 +321,13 @@ class SQLiteStore(DedupeStore):
             "SELECT count(*) FROM mq_processed").fetchone()[0]))
 
     def close(self) -> None:
+        """Close every thread's connection, each once no call is using it (idempotent)."""
         with self._lock:
             self._closed = True
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            with contextlib.suppress(sqlite3.Error):
+            entries, self._conns = list(self._conns.values()), {}
+        for conn, lock in entries:
+            with lock, contextlib.suppress(sqlite3.Error):
                 conn.close()
-        self._local = threading.local()
 
     def __repr__(self) -> str:
         return (f"SQLiteStore({str(self.path)!r}, retention={self.retention:g}, "

@@ -8,8 +8,9 @@ whichever holds the receive lock reads the replies and hands each to its waiter.
 nobody waits for (it came after its request timed out) is acked and dropped: correlation
 ids are never reused, so it cannot answer a later request.
 
-The request itself carries ``ttl=timeout``: a responder that gets to it after its requester
-gave up never sees it (dead-lettered with reason ``expired`` instead).
+The request itself expires shortly after its timeout (``ttl = 1.1 * timeout + 1 s``, room for
+clocks that differ): a responder that gets to it after its requester gave up never sees it
+(dead-lettered with reason ``expired`` instead).
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ REPLY_LEASE = 30.0
 TURN = 0.05
 
 
+#: Every reply route's topic starts so; ``Message.reply`` answers nothing else.
+REPLY_PREFIX = "mq-reply."
+
+
 class ReplyRoute:
     """One requester's reply group, private topic and waiters."""
 
     def __init__(self, broker: Broker) -> None:
         token = secrets.token_hex(8)
-        self.topic = f"mq-reply.{token}"
+        self.topic = f"{REPLY_PREFIX}{token}"
         self.group = f"mq-reply-{token}"
         self._broker = broker
         self._sub: Subscription | None = None

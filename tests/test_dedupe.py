@@ -272,3 +272,66 @@ def test_async_consume_dedupes_with_either_store(tmp_path: Path) -> None:
         assert calls == ["a", "b"]
         assert (stats.duplicates, stats.acked) == (2, 4)
         store.close()
+
+
+def test_a_message_the_handler_gave_back_is_not_recorded() -> None:
+    """A handler that nacks (or dead-letters, to fix and replay) its message did not
+    process it: the redelivery must reach the handler again."""
+    store = MemoryStore()
+    seen: list[int] = []
+
+    def handler(msg: mqabstract.Message) -> None:
+        seen.append(msg.attempt)
+        if msg.attempt == 1:
+            msg.nack()
+
+    with mqabstract.connect(memory_url()) as mq:
+        sub = mq.subscribe("g", "t.#", max_attempts=5)
+        mq.publish("t.x", b"x", id="m")
+        stats = sub.consume(handler, max_messages=2, dedupe=store)
+        assert seen == [1, 2] and stats.duplicates == 0
+        mq.publish("t.x", b"y", id="d")
+        sub.consume(lambda m: m.dead_letter("fix me"), max_messages=1, dedupe=store)
+        assert not store.seen("g", "d")
+        mq.replay_dead_letters("g")
+        handled: list[str] = []
+        stats = sub.consume(lambda m: handled.append(m.id), max_messages=1, dedupe=store)
+        assert handled == ["d"] and stats.duplicates == 0
+
+
+def test_close_while_other_threads_use_the_store(tmp_path: Path) -> None:
+    """close() waits for a call in progress on another thread (it used to close the
+    connection under it: a segfault); the other thread then gets StoreError."""
+    for _ in range(20):
+        store = SQLiteStore(tmp_path / "c.db")
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def hammer(store: SQLiteStore = store) -> None:
+            try:
+                while not stop.is_set():
+                    store.record("g", uuid.uuid4().hex)
+                    store.seen("g", "x")
+            except mqabstract.StoreError:
+                return
+            except BaseException as exc:  # anything else is a bug
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        store.close()
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert errors == []
+
+
+def test_connections_of_ended_threads_are_closed(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "t.db") as store:
+        for _ in range(30):
+            t = threading.Thread(target=store.record, args=("g", uuid.uuid4().hex))
+            t.start()
+            t.join()
+        store.seen("g", "x")  # a new connection here closes those of the ended threads
+        assert len(store._conns) <= 2

@@ -89,3 +89,22 @@ def test_asyncio_request_and_reply() -> None:
             return replies
 
     assert asyncio.run(main()) == [{"echo": n} for n in range(5)]
+
+
+def test_bad_input_leaves_no_route_and_replies_go_only_to_routes() -> None:
+    with mqabstract.connect(memory_url()) as mq:
+        for bad in ({"topic": "no spaces allowed"}, {"headers": {"mq-x": "1"}}):
+            args = {"topic": "svc.x", **bad}
+            with pytest.raises(mqabstract.ValidationError):
+                mq.request(args.pop("topic"), b"x", timeout=1, **args)
+        assert [g for g in mq.groups() if g.startswith("mq-reply-")] == []
+        sub = mq.subscribe("svc", "svc.#")
+        from mqabstract.model import Envelope  # a plain client naming any topic as route
+
+        mq._driver.publish((Envelope("e1", "svc.x", b"x", {
+            "mq-reply-to": "orders.eu", "mq-correlation-id": "c", "mq-expires-at": "nan"},
+            None, 0, None, 0.0),))
+        [msg] = sub.receive(1, 1.0)
+        assert msg.expires_at is None  # an unreadable TTL: none
+        with pytest.raises(mqabstract.InvalidArgument):
+            msg.reply(b"x")

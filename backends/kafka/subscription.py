@@ -579,10 +579,16 @@ class KafkaSubscription(DriverSubscription):
             return
         idle = sorted(idle, key=self.data_seen.__getitem__)[:_STALL_PROBE_MAX]
         try:
-            ends = self.data.end_offsets(idle, timeout=_STALL_PROBE)
-            behind = {}
+            probe_end = now + _STALL_PROBE  # one bound for the whole round
+            ends: dict[TP, int] = {}
             for tp in idle:
-                at, end = self.data.position(tp), ends.get(tp, 0)
+                left = probe_end - time.monotonic()
+                if left <= 0:
+                    break
+                ends.update(self.data.end_offsets([tp], timeout=left))
+            behind = {}
+            for tp in ends:
+                at, end = self.data.position(tp), ends[tp]
                 # (A gap that a new consumer did not read either is no stall: control
                 # records of transactions are never returned. Tried once per end offset.)
                 if end > at and end > self.stall_ends.get(tp, -1):
@@ -606,6 +612,9 @@ class KafkaSubscription(DriverSubscription):
             return
         for tp, (_, end) in behind.items():
             self.stall_ends[tp] = end
+        # A renewal that did not help (a producer's open transaction keeps the end ahead
+        # of what read_committed returns) is not repeated every round.
+        self.next_stall_check = time.monotonic() + _STALL_AFTER * 6
 
     def _renew_reader(self) -> None:
         """Replace the data consumer by a new one at the same assignment and positions:
@@ -703,6 +712,9 @@ class KafkaSubscription(DriverSubscription):
         elif buffered <= limit // 2 and self.paused:
             self.data.resume(self.data_assigned)
             self.paused = False
+            now = time.monotonic()  # paused is not stalled: idle time counts from here
+            for tp in self.data_assigned:
+                self.data_seen[tp] = now
 
     def _fence_tick(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> bool:
         """Before re-publishing expired leases or handing records off: ``_fence``. A

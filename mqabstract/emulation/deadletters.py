@@ -28,8 +28,10 @@ def dead_headers(reason: str, attempts: int, now: float) -> dict[str, str]:
 
 
 def replay_headers(headers: Mapping[str, T]) -> dict[str, T]:
-    """The headers of a replayed copy: dead-letter metadata and delays gone."""
-    return {k: v for k, v in headers.items() if k not in DEAD_META and k != wire.DELIVER_AT}
+    """The headers of a replayed copy: dead-letter metadata, delays and TTLs gone (a
+    replayed expired message would expire again at once)."""
+    return {k: v for k, v in headers.items()
+            if k not in DEAD_META and k != wire.DELIVER_AT and k != wire.EXPIRES_AT}
 
 
 def _text(value: object) -> str:
