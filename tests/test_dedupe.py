@@ -307,7 +307,8 @@ def test_close_while_other_threads_use_the_store(tmp_path: Path) -> None:
         errors: list[BaseException] = []
         stop = threading.Event()
 
-        def hammer(store: SQLiteStore = store) -> None:
+        def hammer(store: SQLiteStore = store, stop: threading.Event = stop,
+                   errors: list[BaseException] = errors) -> None:
             try:
                 while not stop.is_set():
                     store.record("g", uuid.uuid4().hex)
