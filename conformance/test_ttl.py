@@ -11,7 +11,7 @@ import time
 import pytest
 
 import mqabstract
-from mqabstract import Feature
+from mqabstract import Feature, Support
 
 from .harness import Ctx
 
@@ -37,6 +37,24 @@ def test_expired_messages_are_dead_lettered_not_delivered(mq_ctx: Ctx) -> None:
     mq_ctx.expect_none(sub)
     dead = mq_ctx.broker.dead_letters(sub.group)
     assert [(d.id, d.reason, d.attempts) for d in dead] == [(short, "expired", 0)], dead
+
+
+def test_where_expiry_happens_is_what_the_backend_declares(mq_ctx: Ctx) -> None:
+    """NATIVE: the broker moves an expired message to the group's dead letters with no
+    consumer receiving; EMULATED: it stays until a receive of the group dead-letters it."""
+    mq_ctx.require(Feature.DEAD_LETTER)
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"))
+    stale = mq_ctx.broker.publish(mq_ctx.topic("x"), b"stale", ttl=0.3)
+    time.sleep(0.6)
+    if mq_ctx.caps.support(Feature.TTL) is Support.NATIVE:
+        deadline = time.monotonic() + mq_ctx.wait
+        while not mq_ctx.broker.dead_letters(sub.group) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        assert mq_ctx.broker.dead_letters(sub.group) == []
+        mq_ctx.expect_none(sub, 0.5)
+    dead = mq_ctx.broker.dead_letters(sub.group)
+    assert [(d.id, d.reason, d.attempts) for d in dead] == [(stale, "expired", 0)], dead
 
 
 def test_a_group_may_drop_expired_messages(mq_ctx: Ctx) -> None:

@@ -43,7 +43,8 @@ from .wire import (
     H_TOPIC,
     TIERS,
     _copy_props,
-    _own_headers,
+    _dead_headers,
+    _expiration,
     _props_with,
     _queue_name,
     _text,
@@ -64,9 +65,10 @@ def _release_margin(heartbeat: int) -> float:
     return 3.0 * heartbeat + 1.0 if heartbeat > 0 else math.inf
 
 
-def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities:
-    """What the driver declares; the body limit and, where the lease watchdog cannot run,
-    the release margin (from the heartbeat) depend on options."""
+def _rabbitmq_capabilities(max_body: int, release_margin: float,
+                           native_ttl: bool = True) -> Capabilities:
+    """What the driver declares; the body limit, native TTL and, where the lease watchdog
+    cannot run, the release margin (from the heartbeat) depend on options."""
     f = Feature
     return Capabilities(
         features={
@@ -80,6 +82,7 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities
             f.ORDERING: Support.NATIVE,
             f.DEAD_LETTER: Support.EMULATED,
             f.BATCH: Support.NATIVE,
+            f.TTL: Support.NATIVE if native_ttl else Support.EMULATED,
         },
         max_body_bytes=max_body,
         max_headers=64,
@@ -110,6 +113,11 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float) -> Capabilities
             f.ORDERING: "groups declared ordered=True use x-single-active-consumer",
             f.DEAD_LETTER: "a classic dead-letter queue per group, filled by the driver",
             f.BATCH: "publisher confirms pipelined on one channel",
+            f.TTL: ("per-message expiration; the group queue dead-letters expired messages "
+                    "to the group's dead-letter queue (or drops them, expired=\"drop\"), "
+                    "at the head of the queue, without a consumer; delayed messages and "
+                    "TTLs over 49 days are checked when received" if native_ttl else
+                    "checked when received (native_ttl=false)"),
         },
     )
 
@@ -144,6 +152,10 @@ class RabbitMQDriver(Driver):
                                  "room for properties)"),
         "verify": Option(bool, True, "amqps: verify the server certificate"),
         "ca_file": Option(str, None, "amqps: CA bundle to verify the server with"),
+        "native_ttl": Option(bool, True, "expire messages in the broker (per-message "
+                             "expiration, group queues dead-letter them); false while group "
+                             "queues declared before native TTL (no dead-letter routing: "
+                             "RabbitMQ would drop what expires) are in use"),
     }
     CAPABILITIES = _rabbitmq_capabilities(OPTIONS["max_body_bytes"].default,
                                           _release_margin(OPTIONS["heartbeat"].default))
@@ -155,6 +167,7 @@ class RabbitMQDriver(Driver):
         self._prefetch: int = opts["prefetch"]
         self._queue_type: str = opts["queue_type"]
         self._publish_timeout: float = opts["publish_timeout"]
+        self._native_ttl: bool = opts["native_ttl"]
         self._closed = False
         self._declared: set[tuple[str, str]] = set()
         self._tiers: set[tuple[str, int]] = set()
@@ -168,7 +181,8 @@ class RabbitMQDriver(Driver):
         self._link = _Link(params, self._where)
         self._pub = _Publisher(quiet, self._where)
         self._caps = _rabbitmq_capabilities(opts["max_body_bytes"],
-                                            _release_margin(opts["heartbeat"]))
+                                            _release_margin(opts["heartbeat"]),
+                                            self._native_ttl)
 
     # -- opening ---------------------------------------------------------------------------
     @staticmethod
@@ -258,6 +272,11 @@ class RabbitMQDriver(Driver):
             args["x-max-priority"] = 9
         if spec.ordered:
             args["x-single-active-consumer"] = True
+        if self._native_ttl and spec.expired == "dead_letter":
+            # What expires in the queue (a message's TTL) goes to the group's dead letters;
+            # without this RabbitMQ drops it, which is what expired="drop" asks for.
+            args["x-dead-letter-exchange"] = ""
+            args["x-dead-letter-routing-key"] = self._dead_queue(spec.name)
         return args
 
     # -- message mapping -------------------------------------------------------------------
@@ -276,6 +295,10 @@ class RabbitMQDriver(Driver):
             headers[H_KEY] = env.key
         if due is not None:
             headers[H_DUE] = repr(due)
+        # A delayed message's expiration would end in its wait tier, and RabbitMQ removes
+        # it when the tier dead-letters the message on: its TTL is checked when received.
+        expiration = (_expiration(headers, time.time())
+                      if self._native_ttl and due is None else None)
         return pika.BasicProperties(
             content_type=content_type,
             headers=headers,
@@ -283,6 +306,7 @@ class RabbitMQDriver(Driver):
             priority=env.priority,
             message_id=env.id,
             timestamp=int(env.published_at),
+            expiration=expiration,
         )
 
     def _topic_of(self, raw: _Raw) -> str:
@@ -335,6 +359,8 @@ class RabbitMQDriver(Driver):
             if left > 0:
                 tier = self._ensure_tier("q", TIERS.tier_for(left))
                 return _Item(tier, queue, raw.body, props, True)
+        if self._native_ttl:
+            props.expiration = _expiration(props.headers, time.time())
         return _Item("", queue, raw.body, props, True)
 
     # -- delay tiers -----------------------------------------------------------------------
@@ -421,15 +447,19 @@ class RabbitMQDriver(Driver):
         args = self._queue_args(spec)
 
         def declare(a: _Admin) -> None:
+            # The dead-letter queue first: the group queue may route expired messages to it.
+            a.ch.queue_declare(self._dead_queue(spec.name), durable=True)
             try:
                 a.ch.queue_declare(queue, durable=True, arguments=args)
             except pex.ChannelClosedByBroker as exc:
                 if exc.reply_code != 406:
                     raise
-                # Declared before with other hints (queue type): keep the existing queue.
+                # Declared before with other hints (queue type, expired=, or by a version
+                # without dead-letter routing): keep the existing queue.
+                log.info("rabbitmq: group %r exists with other queue arguments; kept as "
+                         "declared first", spec.name)
                 a.reset_channel()
                 a.ch.queue_declare(queue, passive=True)
-            a.ch.queue_declare(self._dead_queue(spec.name), durable=True)
             a.ch.queue_bind(queue, self._exchange, routing_key=spec.pattern)
 
         self._admin.run(declare, f"declaring group {spec.name!r}")
@@ -457,7 +487,7 @@ class RabbitMQDriver(Driver):
         # The id is the AMQP message id: an ``mq-id`` header (never written by this driver)
         # must not override it, so it is left out before decoding. The content type is a
         # property here and a header for the user.
-        headers = {k: v for k, v in (props.headers or {}).items() if k != wire.ID}
+        headers = {k: v for k, v in _dead_headers(props).items() if k != wire.ID}
         if props.content_type:
             headers[CONTENT_TYPE] = props.content_type
         return dead_letter_from(headers, body, id=props.message_id or "", topic=routing_key,
@@ -486,7 +516,7 @@ class RabbitMQDriver(Driver):
             picked = pick(got, ids, lambda g: g[1].message_id)
             items = []
             for _m, props, body in picked:
-                fresh = _props_with(props, replay_headers(_own_headers(props)))
+                fresh = _props_with(props, replay_headers(_dead_headers(props)))
                 items.append(_Item("", queue, body, fresh, True))
             pend = self._pub.publish(items, self._publish_timeout) if items else None
             moved = set(pend.acked) if pend is not None else set()

@@ -3,6 +3,8 @@ property copies the driver re-publishes. Pure functions: no I/O, any thread."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import uuid
 from typing import Any
 
@@ -29,6 +31,10 @@ _BROKER_HEADERS = frozenset({
 H_TOPIC, H_KEY, H_ATTEMPT = wire.TOPIC, wire.KEY, wire.ATTEMPT
 H_PUBLISHED, H_DUE = wire.PUBLISHED_AT, wire.DELIVER_AT
 H_REASON, H_DEAD_AT = wire.REASON, wire.DEAD_AT
+H_EXPIRES = wire.EXPIRES_AT
+# The longest per-message expiration RabbitMQ accepts (ms); a longer TTL is left to the
+# portable layer's check.
+MAX_EXPIRATION_MS = 4_294_967_295
 CONTENT_TYPE = "content-type"
 _MAX_NAME = 255  # AMQP short string
 
@@ -78,3 +84,49 @@ def _props_with(props: Any, headers: dict[str, Any]) -> pika.BasicProperties:
         app_id=props.app_id,
     )
 
+
+
+def _expiration(headers: Any, now: float) -> str | None:
+    """The AMQP ``expiration`` of a copy entering a queue at ``now``: the milliseconds left
+    of its TTL (``mq-expires-at``; "0" once past), or None without a TTL or beyond what
+    RabbitMQ accepts. Relative, so each copy gets what is left, not its original TTL."""
+    value = headers.get(H_EXPIRES) if headers else None
+    if value is None:
+        return None
+    try:
+        left = float(_text(value)) - now
+    except ValueError:
+        return None
+    if not math.isfinite(left):
+        return None
+    ms = max(0, math.ceil(left * 1000))
+    return str(ms) if ms <= MAX_EXPIRATION_MS else None
+
+
+def _dead_headers(props: Any) -> dict[str, Any]:
+    """A dead letter's headers in the wire schema. Copies the driver dead-lettered carry
+    ``mq-reason`` and the rest already; for one RabbitMQ dead-lettered itself (a TTL that
+    ended in the group queue) they come from its newest ``x-death`` record: the reason, its
+    time, the topic it was routed with, and the deliveries it had."""
+    own = _own_headers(props)
+    deaths = (props.headers or {}).get("x-death")
+    if H_REASON in own or not deaths:
+        return own
+    death = deaths[0]
+    when = death.get("time")
+    keys = death.get("routing-keys") or []
+    so_far = int(_text(own.get(H_ATTEMPT, 0)))
+    count = (props.headers or {}).get("x-delivery-count")
+    reason = _text(death.get("reason", "expired"))
+    dead_at = when.timestamp() if hasattr(when, "timestamp") else float(when or 0)
+    if reason == "expired" and H_EXPIRES in own:
+        # x-death keeps whole seconds; the TTL's end falls within that second.
+        with contextlib.suppress(ValueError):
+            dead_at = min(max(dead_at, float(_text(own[H_EXPIRES]))), dead_at + 1.0)
+    own[H_REASON] = reason
+    own[H_DEAD_AT] = repr(dead_at)
+    own[H_ATTEMPT] = str(so_far + int(count or 0))
+    if H_TOPIC not in own and keys:
+        own[H_TOPIC] = _text(keys[0])
+    own.pop(wire.DELIVER_AT, None)
+    return own
