@@ -36,6 +36,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from mqabstract import wire
 from mqabstract.capabilities import Capabilities
 from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
@@ -557,7 +558,9 @@ class SQLiteDriver(Driver):
             cur = conn.execute(
                 "INSERT INTO mq_queue (gid, state, due, priority, attempts, token, key, id,"
                 " topic, published_at, headers, body) SELECT gid, 0, 0, priority, 0, 0, key,"
-                " id, topic, published_at, headers, body FROM mq_dead WHERE gid = ?"
+                # A replay drops the TTL: an expired message would expire again at once.
+                " id, topic, published_at, json_remove(headers, '$.\"" + wire.EXPIRES_AT
+                + "\"'), body FROM mq_dead WHERE gid = ?"
                 + where + " ORDER BY dseq",
                 (gid, *args),
             )

@@ -57,6 +57,22 @@ def test_where_expiry_happens_is_what_the_backend_declares(mq_ctx: Ctx) -> None:
     assert [(d.id, d.reason, d.attempts) for d in dead] == [(stale, "expired", 0)], dead
 
 
+def test_a_replayed_expired_message_is_delivered_without_its_ttl(mq_ctx: Ctx) -> None:
+    mq_ctx.require(Feature.DEAD_LETTER)
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"))
+    stale = mq_ctx.broker.publish(mq_ctx.topic("x"), b"stale", ttl=0.3, headers={"h": "1"})
+    time.sleep(0.6)
+    mq_ctx.expect_none(sub, 0.5)
+    deadline = time.monotonic() + mq_ctx.wait
+    while not mq_ctx.broker.dead_letters(sub.group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mq_ctx.broker.replay_dead_letters(sub.group) == 1
+    [msg] = mq_ctx.drain(sub, 1)
+    assert (msg.id, msg.body, dict(msg.headers), msg.expires_at) == (
+        stale, b"stale", {"h": "1"}, None)
+    assert mq_ctx.broker.dead_letters(sub.group) == []
+
+
 def test_a_group_may_drop_expired_messages(mq_ctx: Ctx) -> None:
     sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), expired="drop")
     mq_ctx.broker.publish(mq_ctx.topic("x"), b"stale", ttl=0.5)

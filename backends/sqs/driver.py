@@ -34,6 +34,7 @@ from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupSta
 from mqabstract.names import pattern_regex
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
+from mqabstract.wire import EXPIRES_AT
 
 from .subscription import SQSSubscription, _Group, _Receipt
 from .wire import (
@@ -801,8 +802,11 @@ class SQSDriver(Driver):
         g, chosen, rest = self._select(group, ids)
         try:
             for m in chosen:
+                # A replay restarts the message: no dead-letter metadata, no delay, no TTL
+                # (an expired one would expire again at once).
                 wire = _from_sqs(m).with_meta(**{M_REASON: None, M_ATTEMPT: None,
-                                                 M_DEAD_AT: None, M_DUE: None})
+                                                 M_DEAD_AT: None, M_DUE: None}
+                                              ).without_header(EXPIRES_AT)
                 self._send(g.queue_url, wire, 0, g.fifo)
             self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
         finally:

@@ -101,6 +101,18 @@ class _Wire:
         attrs[ATTR_META] = {"DataType": "String", "StringValue": _dumps(meta)}
         return _Wire(self.body, attrs, meta, self.group_id)
 
+    def without_header(self, name: str) -> _Wire:
+        """This message without one header, wherever it travels (attribute or packed)."""
+        packed = self.meta.get("h")
+        if name not in self.attributes and not (isinstance(packed, dict) and name in packed):
+            return self
+        attrs = {k: v for k, v in self.attributes.items() if k != name}
+        meta = dict(self.meta)
+        if isinstance(packed, dict):
+            meta["h"] = {k: v for k, v in packed.items() if k != name}
+        attrs[ATTR_META] = {"DataType": "String", "StringValue": _dumps(meta)}
+        return _Wire(self.body, attrs, meta, self.group_id)
+
     def size(self) -> int:
         total = len(self.body.encode("utf-8"))
         for name, value in self.attributes.items():
