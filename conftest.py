@@ -51,9 +51,9 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     kinds = [k for k in BROKER_KINDS if k in urls]
     if not kinds or hasattr(config, "workerinput"):  # once, in the controlling process
         return None
-    import brokerctl  # type: ignore[import-not-found]
-
-    import tests.brokers  # noqa: F401 - puts scripts/ on sys.path
+    # tests.brokers puts scripts/ on sys.path, so brokerctl is importable after it.
+    import tests.brokers
+    brokerctl = tests.brokers.brokerctl
 
     lines = []
     for row in brokerctl.status(kinds):

@@ -418,3 +418,15 @@ def test_private_broker_files_run_on_one_worker(request: pytest.FixtureRequest) 
     assert [m.args for m in request.node.iter_markers("xdist_group")] == [("private-brokers",)]
     if getattr(request.config.option, "loadgroup", False):  # on an xdist worker
         assert request.node.nodeid.endswith("@private-brokers"), request.node.nodeid
+
+
+def test_the_report_header_names_brokers_in_a_fresh_interpreter() -> None:
+    """``pytest`` without ``-q`` prints which brokers a run talks to; that hook ran before
+    anything had put scripts/ on sys.path (an INTERNALERROR in a plain run)."""
+    code = ("import types, conftest\n"
+            "cfg = types.SimpleNamespace(option=types.SimpleNamespace(mq_url=['sqs']))\n"
+            "print(conftest.pytest_report_header(cfg))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert "broker sqs:" in out.stdout
