@@ -902,10 +902,11 @@ class KafkaSubscription(DriverSubscription):
         headers: dict[str, str] = {}
         meta: dict[str, str] = {}
         prefix = wire.PREFIX
+        carried = wire.CARRIED
         for k, v in r.headers or ():
             if k.startswith(prefix):
                 meta[k] = v.decode("utf-8", "replace") if v else ""
-                if k in wire.CARRIED:
+                if k in carried:
                     headers[k] = meta[k]
             else:
                 headers[k] = v.decode("utf-8", "replace") if v else ""
