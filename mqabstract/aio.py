@@ -53,7 +53,7 @@ from .consuming import (
     replying,
 )
 from .dedupe import DedupeStore
-from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError
+from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError, Timeout
 from .middleware import Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 
@@ -62,9 +62,6 @@ __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
 log = logging.getLogger("mqabstract")
 
 T = TypeVar("T")
-
-#: Requests one AsyncBroker waits on at once (each holds a thread until its reply).
-REQUEST_THREADS = 64
 
 #: Longest single wait of a ``receive`` on a pool thread (seconds).
 SLICE = 0.5
@@ -687,18 +684,36 @@ class AsyncBroker:
                       priority: int | None = None) -> AsyncMessage:
         """``Broker.request``: the reply (already acked), or ``Timeout``.
 
-        The wait runs on a thread of this broker's request pool (``REQUEST_THREADS``
-        requests at once; more queue), not on its I/O pool: a slow responder must not hold
-        up other calls. A cancelled request's thread still waits out its reply or timeout,
-        and that reply is dropped."""
-        self.broker._check_open()
+        The request waits on a future: one reader thread (on a pool of its own, not the I/O
+        pool, so a slow responder holds up no other call) serves every request waiting at
+        once. A cancelled request stops waiting at once; a reply that still comes is
+        dropped."""
+        broker = self.broker
+        broker._check_open()
+        route, seconds, send = await self._run(broker._request_route, topic, body, timeout,
+                                               headers, key, priority)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Message] = loop.create_future()
+
+        def settle(reply: Message) -> None:
+            if not answer.done():  # cancelled or timed out meanwhile
+                answer.set_result(reply)
+
+        def arrived(reply: Message) -> None:
+            loop.call_soon_threadsafe(settle, reply)
+
         if self._requests is None:
             self._requests = concurrent.futures.ThreadPoolExecutor(
-                REQUEST_THREADS, thread_name_prefix="mqabstract-request")
-        reply = await asyncio.get_running_loop().run_in_executor(
-            self._requests, functools.partial(self.broker.request, topic, body,
-                                              timeout=timeout, headers=headers, key=key,
-                                              priority=priority))
+                1, thread_name_prefix="mqabstract-replies")
+        correlation = route.expect(arrived, self._requests.submit)
+        try:
+            await self._run(send, correlation)
+            try:
+                reply = await asyncio.wait_for(answer, seconds)
+            except asyncio.TimeoutError:
+                raise Timeout(f"no reply within {seconds:g}s (request {correlation})") from None
+        finally:
+            route.forget(correlation)
         return AsyncMessage(reply, AsyncSubscription(reply._sub, self._run))
 
     async def close(self) -> None:

@@ -1433,6 +1433,15 @@ class Broker:
         within ``timeout`` seconds; the request itself expires soon after (``ttl``), and a
         reply that still comes later is dropped, never handed to another request.
         """
+        route, seconds, send = self._request_route(topic, body, timeout, headers, key, priority)
+        return route.call(send, seconds)
+
+    def _request_route(self, topic: str, body: object, timeout: float,
+                       headers: Mapping[str, str] | None, key: str | None,
+                       priority: int | None) -> tuple[ReplyRoute, float, Callable[[str], str]]:
+        """Check a request and open the reply route (in that order: bad input leaves
+        nothing behind): the route, the timeout in seconds, and the sender that publishes
+        the request with a correlation id (sync and asyncio ``request``)."""
         self._check_open()
         seconds = _check_seconds(timeout, "timeout", math.inf, allow_zero=False)
         self._require(Feature.REQUEST_REPLY)
@@ -1447,12 +1456,14 @@ class Broker:
                 self._route = ReplyRoute(self)
             route = self._route
 
-        def send(correlation: str) -> None:
-            wire_headers = {wire.REPLY_TO: route.topic, wire.CORRELATION_ID: correlation}
-            self._publish_via_chain(topic, body, headers, key, priority, None, None, None, ttl,
-                                    wire_headers)
+        route.open()
 
-        return route.call(send, seconds)
+        def send(correlation: str) -> str:
+            wire_headers = {wire.REPLY_TO: route.topic, wire.CORRELATION_ID: correlation}
+            return self._publish_via_chain(topic, body, headers, key, priority, None, None,
+                                           None, ttl, wire_headers)
+
+        return route, seconds, send
 
     def _reply(self, reply_to: str, correlation: str, body: object,
                headers: Mapping[str, str] | None) -> str:

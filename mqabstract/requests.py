@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import MQError, Timeout
+from .errors import Closed, MQError, Timeout
 
 if TYPE_CHECKING:
     from .broker import Broker, Message, Subscription
@@ -53,9 +53,15 @@ class ReplyRoute:
         self._cv = threading.Condition()
         self._waiting: set[str] = set()
         self._replies: dict[str, Message] = {}
+        self._callbacks: dict[str, Callable[[Message], object]] = {}
+        self._reading = False  # a reader thread serves the callbacks
+        self._closed = False
 
-    def _subscription(self) -> Subscription:
+    def open(self) -> Subscription:
+        """The route's subscription, made (group declared) at the first call."""
         with self._open_lock:
+            if self._closed:
+                raise Closed("the broker is closing: its reply route is gone")
             if self._sub is None:
                 lease = max(REPLY_LEASE, self._broker.capabilities.min_lease)
                 self._sub = self._broker.subscribe(self.group, self.topic, lease=lease)
@@ -63,7 +69,7 @@ class ReplyRoute:
 
     def call(self, publish: Callable[[str], object], timeout: float) -> Message:
         """Publish the request (``publish(correlation_id)``) and wait for its reply."""
-        sub = self._subscription()
+        sub = self.open()
         correlation = secrets.token_hex(16)
         with self._cv:
             self._waiting.add(correlation)
@@ -92,6 +98,54 @@ class ReplyRoute:
                 self._waiting.discard(correlation)
                 self._replies.pop(correlation, None)
 
+    def expect(self, callback: Callable[[Message], object],
+               spawn: Callable[[Callable[[], None]], object]) -> str:
+        """A new correlation id whose reply is passed to ``callback`` (on a reader thread)
+        instead of to a blocked caller: asyncio requests wait on a future, not a thread.
+        One reader, started with ``spawn`` when none runs, serves every such waiter and
+        ends when none is left. ``forget`` the id when done (reply, timeout or cancel)."""
+        self.open()
+        correlation = secrets.token_hex(16)
+        with self._cv:
+            self._callbacks[correlation] = callback
+            start, self._reading = not self._reading, True
+        if start:
+            try:
+                spawn(self._serve_callbacks)
+            except BaseException:
+                with self._cv:
+                    self._reading = False
+                    self._callbacks.pop(correlation, None)
+                raise
+        return correlation
+
+    def forget(self, correlation: str) -> None:
+        """Stop waiting for ``correlation``'s reply (a later one is dropped)."""
+        with self._cv:
+            self._callbacks.pop(correlation, None)
+
+    def _serve_callbacks(self) -> None:
+        """The reader for ``expect``: takes the receive turn while callbacks wait (sync
+        waiters meanwhile get their replies from it through the condition)."""
+        try:
+            while True:
+                with self._cv:
+                    sub = self._sub
+                    if not self._callbacks or sub is None:
+                        self._reading = False
+                        return
+                if self._turn.acquire(timeout=TURN):
+                    try:
+                        self._read(sub, 0.2)
+                    except MQError as exc:  # the waiters time out if it lasts
+                        log.debug("request/reply: reading replies: %s", exc)
+                        time.sleep(TURN)
+                    finally:
+                        self._turn.release()
+        finally:
+            with self._cv:
+                self._reading = False
+
     def _read(self, sub: Subscription, wait: float) -> None:
         """Receive replies and hand each to its waiter; ack them all (late ones too)."""
         got = sub.receive(100, wait)
@@ -101,19 +155,29 @@ class ReplyRoute:
             sub.ack_many(got)
         except MQError as exc:  # a reply comes again; its waiter may have it already
             log.debug("request/reply: acking %d replies: %s", len(got), exc)
+        called: list[tuple[Callable[[Message], object], Message]] = []
         with self._cv:
             for msg in got:
                 correlation = msg.correlation_id
-                if correlation in self._waiting:
+                callback = self._callbacks.pop(correlation or "", None)
+                if callback is not None:
+                    called.append((callback, msg))
+                elif correlation in self._waiting:
                     self._replies[correlation] = msg
                 else:
                     log.debug("request/reply: dropped a late or unknown reply %s", msg.id)
             self._cv.notify_all()
+        for callback, msg in called:
+            try:
+                callback(msg)
+            except Exception:  # a waiter's own failure must not stop the others
+                log.exception("request/reply: handing over reply %s", msg.id)
 
     def close(self) -> None:
         """Delete the route (its group and anything still queued for it)."""
         with self._open_lock:
             sub, self._sub = self._sub, None
+            self._closed = True
         if sub is None:
             return
         try:

@@ -108,3 +108,39 @@ def test_bad_input_leaves_no_route_and_replies_go_only_to_routes() -> None:
         assert msg.expires_at is None  # an unreadable TTL: none
         with pytest.raises(mqabstract.InvalidArgument):
             msg.reply(b"x")
+
+
+def test_asyncio_requests_wait_on_futures_not_threads() -> None:
+    """Many asyncio requests at once share one reader thread; a cancelled one stops waiting
+    at once (its reply is dropped), and sync requests on the same route still get theirs."""
+    stop = threading.Event()
+
+    async def main(mq: mqabstract.Broker) -> tuple[list[object], int, object]:
+        amq = aio.AsyncBroker(mq, aio._Runner(4))
+        before = {t.name for t in threading.enumerate()}
+        seen: set[str] = set()
+        cancelled = asyncio.create_task(amq.request("nobody.x", {"n": -1}, timeout=30))
+        await asyncio.sleep(0.3)  # sent; waiting for a reply that never comes
+        cancelled.cancel()
+
+        async def one(n: int) -> object:
+            seen.update(t.name for t in threading.enumerate())
+            return (await amq.request("svc.x", {"n": n}, timeout=20)).value
+
+        loop = asyncio.get_running_loop()
+        sync = loop.run_in_executor(None, lambda: mq.request("svc.x", {"n": 7}, timeout=20))
+        replies = await asyncio.gather(*(one(n) for n in range(300)))
+        readers = len(seen - before)  # threads that came up while they waited
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert mq._route is not None and not mq._route._callbacks  # nobody left waiting
+        return replies, readers, (await sync).value
+
+    with mqabstract.connect(memory_url()) as mq:
+        worker = serve(mq, stop)
+        replies, readers, sync = asyncio.run(main(mq))
+        stop.set()
+        worker.join(5)
+    assert replies == [{"n": n, "square": n * n} for n in range(300)]
+    # 4 I/O threads, the reader, the default executor's for the sync one: not 300 waiters
+    assert readers <= 8 and sync == {"n": 7, "square": 49}
