@@ -90,3 +90,15 @@ def test_reply_to_a_message_that_asked_for_none_is_refused(mq_ctx: Ctx) -> None:
         with pytest.raises(mqabstract.InvalidArgument):
             mq_ctx.broker.request(mq_ctx.topic("x"), b"x", timeout=bad)
     mq_ctx.expect_none(sub)
+
+
+def test_wildcard_groups_do_not_see_replies(mq_ctx: Ctx) -> None:
+    """A group whose pattern starts with a wildcard matches reply routes' topics too; a
+    reply is for its requester only, so such a group never receives it."""
+    with responder(mq_ctx, lambda m: m.value):
+        first = mq_ctx.broker.request(mq_ctx.topic("svc", "x"), 1, timeout=mq_ctx.wait)
+        assert first.topic.startswith("mq-reply.")  # the requester's route
+        tap = mq_ctx.subscribe("tap", "*." + first.topic.split(".", 1)[1])
+        reply = mq_ctx.broker.request(mq_ctx.topic("svc", "x"), 2, timeout=mq_ctx.wait)
+        assert reply.value == 2
+        mq_ctx.expect_none(tap)

@@ -462,6 +462,9 @@ class Subscription:
         self._unsettled: set[Message] = set()
         self._closed = False
         self._stop = threading.Event()
+        # A pattern starting with a wildcard also matches the reply routes' topics; their
+        # replies are for one requester, so this group acks its copies away unseen.
+        self._skips_replies = spec.pattern.split(".", 1)[0] in ("#", "*")
 
     @property
     def group(self) -> str:
@@ -518,7 +521,11 @@ class Subscription:
             now = None
             fresh: list[Message] = []
             ended: list[Delivery] = []
+            replies: list[Delivery] = []
             for delivery in batch:
+                if self._skips_replies and delivery.topic.startswith(REPLY_PREFIX):
+                    replies.append(delivery)
+                    continue
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     self._expire(delivery)
                     continue
@@ -529,15 +536,17 @@ class Subscription:
                         continue
                 if not late:
                     fresh.append(Message(delivery, self, lease_deadline))
+            if replies:
+                self._ack_away(replies)
             if ended:
                 self._ttl_ended(ended, dead_letters)
-                if fresh and self._broker._monotonic() >= lease_deadline:
-                    # Settling the expired ones took the rest of the lease (a backlog of
-                    # expired messages on a slow broker): as for a late receive.
-                    log.warning("receive from group %r: %d messages outlived their lease "
-                                "while %d expired ones were settled; they are delivered "
-                                "again", spec.name, len(fresh), len(ended))
-                    fresh = []
+            if (replies or ended) and fresh and self._broker._monotonic() >= lease_deadline:
+                # Settling the others took the rest of the lease (a backlog of expired
+                # messages on a slow broker): as for a late receive.
+                log.warning("receive from group %r: %d messages outlived their lease "
+                            "while %d others were settled; they are delivered again",
+                            spec.name, len(fresh), len(ended) + len(replies))
+                fresh = []
             out += fresh
             if out or self._closed or time.monotonic() >= deadline:
                 break
@@ -555,8 +564,12 @@ class Subscription:
             for delivery in deliveries:
                 self._dead_letter_expired(delivery)
         else:
-            with self._settling("ack", lambda: [Message(d, self, 0.0) for d in deliveries]):
-                self._inner.ack([d.receipt for d in deliveries])
+            self._ack_away(deliveries)
+
+    def _ack_away(self, deliveries: Sequence[Delivery]) -> None:
+        """Settle deliveries nobody is shown (dropped expired ones, others' replies)."""
+        with self._settling("ack", lambda: [Message(d, self, 0.0) for d in deliveries]):
+            self._inner.ack([d.receipt for d in deliveries])
 
     def _dead_letter_expired(self, delivery: Delivery) -> None:
         with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
