@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -97,7 +98,10 @@ class _Runner:
         return done
 
     async def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+        # In the caller's context (as asyncio.to_thread): a sync middleware scope entered
+        # on the pool (a reply's publish span) sees the handler's trace context.
+        context = contextvars.copy_context()
+        return await asyncio.wrap_future(self.submit(context.run, fn, *args, **kwargs))
 
     def shutdown(self) -> None:
         self.shut = True

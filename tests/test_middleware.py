@@ -209,11 +209,22 @@ def test_asyncio_scopes_run_on_the_callers_task() -> None:
 
             stats = await sub.consume(handler, max_messages=6, idle_timeout=2)
             assert stats.acked == 6, stats
+            # A reply is published from the I/O pool, in the replying task's context.
+            responder = await mq.subscribe("svc", "svc.#")
+
+            async def answer(msg: aio.AsyncMessage) -> None:
+                who.set("responder")
+                await msg.reply(b"ok")
+
+            task = asyncio.create_task(responder.consume(answer, max_messages=1))
+            assert (await mq.request("svc.x", b"?", timeout=10)).body == b"ok"
+            await task
 
     asyncio.run(main())
-    assert mw.seen.count("publish1:caller") == 4 and "publish2:caller" in mw.seen
+    assert mw.seen.count("publish1:caller") == 5 and "publish2:caller" in mw.seen
+    assert "publish1:responder" in mw.seen, mw.seen
     # handler tasks start from the context of the task that called consume
-    assert mw.seen.count("handle:caller") == 6, mw.seen
+    assert mw.seen.count("handle:caller") == 7, mw.seen  # 6 + the responder's
 
 
 def test_opentelemetry_settle_spans_when_asked_and_never_a_secret() -> None:
