@@ -38,6 +38,7 @@ from .wire import (
     CONTENT_TYPE,
     H_ATTEMPT,
     H_DUE,
+    H_EXPIRES,
     H_KEY,
     H_PUBLISHED,
     H_TOPIC,
@@ -298,7 +299,7 @@ class RabbitMQDriver(Driver):
         # A delayed message's expiration would end in its wait tier, and RabbitMQ removes
         # it when the tier dead-letters the message on: its TTL is checked when received.
         expiration = (_expiration(headers, time.time())
-                      if self._native_ttl and due is None else None)
+                      if H_EXPIRES in headers and self._native_ttl and due is None else None)
         return pika.BasicProperties(
             content_type=content_type,
             headers=headers,
