@@ -26,6 +26,7 @@ import contextvars
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import (
     AsyncIterator,
@@ -57,6 +58,7 @@ from .dedupe import DedupeStore
 from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError, Timeout
 from .middleware import Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
+from .requests import ReplyRoute
 
 __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
 
@@ -694,8 +696,6 @@ class AsyncBroker:
         dropped."""
         broker = self.broker
         broker._check_open()
-        route, seconds, send = await self._run(broker._request_route, topic, body, timeout,
-                                               headers, key, priority)
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Message] = loop.create_future()
 
@@ -709,15 +709,36 @@ class AsyncBroker:
         if self._requests is None:
             self._requests = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="mqabstract-replies")
-        correlation = route.expect(arrived, self._requests.submit)
+        spawn = self._requests.submit
+        lock = threading.Lock()
+        waiting: list[tuple[ReplyRoute, str]] = []
+        ended = False
+
+        def start() -> float:
+            """One hop on the I/O pool: check, open the route, expect the reply, send."""
+            route, seconds, send = broker._request_route(topic, body, timeout, headers, key,
+                                                         priority)
+            correlation = route.expect(arrived, spawn)
+            with lock:
+                if ended:  # the caller was cancelled meanwhile: nothing is sent
+                    route.forget(correlation)
+                    return seconds
+                waiting.append((route, correlation))
+            send(correlation)
+            return seconds
+
         try:
-            await self._run(send, correlation)
+            seconds = await self._run(start)
             try:
                 reply = await asyncio.wait_for(answer, seconds)
             except asyncio.TimeoutError:
-                raise Timeout(f"no reply within {seconds:g}s (request {correlation})") from None
+                which = waiting[0][1] if waiting else "?"
+                raise Timeout(f"no reply within {seconds:g}s (request {which})") from None
         finally:
-            route.forget(correlation)
+            with lock:
+                ended = True
+                for route, correlation in waiting:
+                    route.forget(correlation)
         return AsyncMessage(reply, AsyncSubscription(reply._sub, self._run))
 
     async def close(self) -> None:
