@@ -102,3 +102,6 @@ def test_wildcard_groups_do_not_see_replies(mq_ctx: Ctx) -> None:
         reply = mq_ctx.broker.request(mq_ctx.topic("svc", "x"), 2, timeout=mq_ctx.wait)
         assert reply.value == 2
         mq_ctx.expect_none(tap)
+        # Only replies are skipped: a plain message on such a topic is the group's.
+        plain = mq_ctx.broker.publish(first.topic, b"not a reply")
+        assert [m.id for m in mq_ctx.drain(tap, 1)] == [plain]

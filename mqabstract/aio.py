@@ -218,7 +218,8 @@ class AsyncSubscription:
         deadline = time.monotonic() + _check_seconds(wait, "wait", math.inf)
         while True:
             left = max(0.0, deadline - time.monotonic())
-            future = self._run.submit(sub.receive, max_messages, min(left, SLICE))
+            future = self._run.submit(contextvars.copy_context().run, sub.receive,
+                                      max_messages, min(left, SLICE))
             try:
                 got = await asyncio.wrap_future(future)
             except asyncio.CancelledError:
@@ -699,12 +700,17 @@ class AsyncBroker:
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Message] = loop.create_future()
 
-        def settle(reply: Message) -> None:
-            if not answer.done():  # cancelled or timed out meanwhile
+        def settle(reply: Message | MQError) -> None:
+            if answer.done():  # cancelled or timed out meanwhile
+                return
+            if isinstance(reply, MQError):  # the route closed
+                answer.set_exception(reply)
+            else:
                 answer.set_result(reply)
 
-        def arrived(reply: Message) -> None:
-            loop.call_soon_threadsafe(settle, reply)
+        def arrived(reply: Message | MQError) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle, reply)
 
         if self._requests is None:
             self._requests = concurrent.futures.ThreadPoolExecutor(

@@ -70,6 +70,7 @@ log = logging.getLogger("mqabstract")
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _CARRIED = wire.CARRIED
 _EXPIRES_AT = wire.EXPIRES_AT
+_CORRELATION_ID = wire.CORRELATION_ID
 #: What a group does with a message whose TTL ended before delivery (``declare(expired=)``).
 EXPIRED_CHOICES = ("dead_letter", "drop")
 _UNDECODED = object()
@@ -463,7 +464,8 @@ class Subscription:
         self._closed = False
         self._stop = threading.Event()
         # A pattern starting with a wildcard also matches the reply routes' topics; their
-        # replies are for one requester, so this group acks its copies away unseen.
+        # replies (a correlation id on a mq-reply. topic) are for one requester, so this
+        # group acks its copies away unseen.
         self._skips_replies = spec.pattern.split(".", 1)[0] in ("#", "*")
 
     @property
@@ -523,7 +525,8 @@ class Subscription:
             ended: list[Delivery] = []
             replies: list[Delivery] = []
             for delivery in batch:
-                if self._skips_replies and delivery.topic.startswith(REPLY_PREFIX):
+                if (self._skips_replies and delivery.topic.startswith(REPLY_PREFIX)
+                        and delivery.headers and _CORRELATION_ID in delivery.headers):
                     replies.append(delivery)
                     continue
                 if dead_letters and delivery.attempt > spec.max_attempts:
@@ -537,7 +540,11 @@ class Subscription:
                 if not late:
                     fresh.append(Message(delivery, self, lease_deadline))
             if replies:
-                self._ack_away(replies)
+                try:
+                    self._ack_away(replies)
+                except MQError as exc:  # they come again and are skipped again
+                    log.debug("receive from group %r: acking %d replies away: %s",
+                              spec.name, len(replies), exc)
             if ended:
                 self._ttl_ended(ended, dead_letters)
             if (replies or ended) and fresh and self._broker._monotonic() >= lease_deadline:

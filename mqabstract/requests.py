@@ -53,7 +53,7 @@ class ReplyRoute:
         self._cv = threading.Condition()
         self._waiting: set[str] = set()
         self._replies: dict[str, Message] = {}
-        self._callbacks: dict[str, Callable[[Message], object]] = {}
+        self._callbacks: dict[str, Callable[[Message | MQError], object]] = {}
         self._reading = False  # a reader thread serves the callbacks
         self._closed = False
 
@@ -98,10 +98,11 @@ class ReplyRoute:
                 self._waiting.discard(correlation)
                 self._replies.pop(correlation, None)
 
-    def expect(self, callback: Callable[[Message], object],
+    def expect(self, callback: Callable[[Message | MQError], object],
                spawn: Callable[[Callable[[], None]], object]) -> str:
         """A new correlation id whose reply is passed to ``callback`` (on a reader thread)
         instead of to a blocked caller: asyncio requests wait on a future, not a thread.
+        If the route closes first, ``callback`` gets ``Closed`` instead.
         One reader, started with ``spawn`` when none runs, serves every such waiter and
         ends when none is left. ``forget`` the id when done (reply, timeout or cancel)."""
         self.open()
@@ -142,9 +143,13 @@ class ReplyRoute:
                         time.sleep(TURN)
                     finally:
                         self._turn.release()
-        finally:
+        except BaseException:
+            # Not an MQError (a middleware's bug): said here, as nobody reads this thread's
+            # result; the next expect starts a new reader, its waiters time out meanwhile.
+            log.exception("request/reply: the reply reader stopped")
             with self._cv:
                 self._reading = False
+            raise
 
     def _read(self, sub: Subscription, wait: float) -> None:
         """Receive replies and hand each to its waiter; ack them all (late ones too)."""
@@ -155,7 +160,7 @@ class ReplyRoute:
             sub.ack_many(got)
         except MQError as exc:  # a reply comes again; its waiter may have it already
             log.debug("request/reply: acking %d replies: %s", len(got), exc)
-        called: list[tuple[Callable[[Message], object], Message]] = []
+        called: list[tuple[Callable[[Message | MQError], object], Message]] = []
         with self._cv:
             for msg in got:
                 correlation = msg.correlation_id
@@ -178,6 +183,13 @@ class ReplyRoute:
         with self._open_lock:
             sub, self._sub = self._sub, None
             self._closed = True
+        with self._cv:
+            waiting, self._callbacks = self._callbacks, {}
+        for callback in waiting.values():  # no reply can come now: tell them at once
+            try:
+                callback(Closed("the broker closed while waiting for the reply"))
+            except Exception:
+                log.exception("request/reply: telling a waiter of the close")
         if sub is None:
             return
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -89,6 +90,24 @@ def test_asyncio_request_and_reply() -> None:
             return replies
 
     assert asyncio.run(main()) == [{"echo": n} for n in range(5)]
+
+
+def test_closing_the_broker_ends_waiting_asyncio_requests_at_once() -> None:
+    async def main() -> tuple[type[BaseException], float]:
+        amq = await aio.connect(memory_url())
+        await amq.subscribe("svc", "svc.#")  # nobody answers
+        waiting = asyncio.create_task(amq.request("svc.x", b"?", timeout=30))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await amq.close()
+        try:
+            await waiting
+        except BaseException as exc:  # the type is the assertion
+            return type(exc), time.monotonic() - started
+        raise AssertionError("the request returned a reply from nobody")
+
+    kind, took = asyncio.run(main())
+    assert kind is mqabstract.Closed and took < 5, (kind, took)
 
 
 def test_bad_input_leaves_no_route_and_replies_go_only_to_routes() -> None:

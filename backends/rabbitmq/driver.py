@@ -460,11 +460,32 @@ class RabbitMQDriver(Driver):
                 log.info("rabbitmq: group %r exists with other queue arguments; kept as "
                          "declared first", spec.name)
                 a.reset_channel()
+                if "x-dead-letter-exchange" in args and self._has_no_routing(a, queue, args):
+                    log.warning(
+                        "rabbitmq: group %r's queue has no dead-letter routing (declared "
+                        "before native TTL, by native_ttl=false or with expired=\"drop\"): "
+                        "RabbitMQ drops the messages whose TTL ends in it instead of "
+                        "dead-lettering them. Delete and re-declare the group, or connect "
+                        "with native_ttl=false while such queues are in use", spec.name)
                 a.ch.queue_declare(queue, passive=True)
             a.ch.queue_bind(queue, self._exchange, routing_key=spec.pattern)
 
         self._admin.run(declare, f"declaring group {spec.name!r}")
         self._declared.add((spec.name, spec.pattern))
+
+    @staticmethod
+    def _has_no_routing(a: _Admin, queue: str, args: dict[str, Any]) -> bool:
+        """Whether an existing ``queue`` matches ``args`` without the dead-letter routing
+        (a declaration with equal arguments succeeds, any other is refused)."""
+        bare = {k: v for k, v in args.items() if not k.startswith("x-dead-letter-")}
+        try:
+            a.ch.queue_declare(queue, durable=True, arguments=bare)
+        except pex.ChannelClosedByBroker as exc:
+            if exc.reply_code != 406:
+                raise
+            a.reset_channel()
+            return False
+        return True
 
     def subscribe(self, spec: GroupSpec) -> DriverSubscription:
         self._check()

@@ -115,8 +115,9 @@ def _dead_headers(props: Any) -> dict[str, Any]:
     death = deaths[0]
     when = death.get("time")
     keys = death.get("routing-keys") or []
+    # Deliveries the driver wrote down; a broker redelivery (a consumer that died) is not
+    # among them: RabbitMQ 3.10 leaves x-delivery-count off a dead-lettered message.
     so_far = int(_text(own.get(H_ATTEMPT, 0)))
-    count = (props.headers or {}).get("x-delivery-count")
     reason = _text(death.get("reason", "expired"))
     dead_at = when.timestamp() if hasattr(when, "timestamp") else float(when or 0)
     if reason == "expired" and H_EXPIRES in own:
@@ -125,7 +126,7 @@ def _dead_headers(props: Any) -> dict[str, Any]:
             dead_at = min(max(dead_at, float(_text(own[H_EXPIRES]))), dead_at + 1.0)
     own[H_REASON] = reason
     own[H_DEAD_AT] = repr(dead_at)
-    own[H_ATTEMPT] = str(so_far + int(count or 0))
+    own[H_ATTEMPT] = str(so_far)
     if H_TOPIC not in own and keys:
         own[H_TOPIC] = _text(keys[0])
     own.pop(wire.DELIVER_AT, None)

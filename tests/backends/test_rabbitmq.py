@@ -499,6 +499,17 @@ def test_native_ttl_off_keeps_queues_without_dead_letter_routing(
         with caplog.at_level("INFO", logger="mqabstract.rabbitmq"):
             native.subscribe(group, f"{root}.#")  # other queue arguments: kept as it is
         assert "other queue arguments" in caplog.text
+        # ... and told loudly: its expired messages would be dropped, not dead-lettered
+        assert [r.levelname for r in caplog.records if "no dead-letter routing" in r.message
+                ] == ["WARNING"]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mqabstract.rabbitmq"):
+            native.subscribe(group + "p", f"{root}.#", priority=True)
+            with mqabstract.connect(url) as again:  # other hints, routing in place
+                again.subscribe(group + "p", f"{root}.#")
+        assert "other queue arguments" in caplog.text
+        assert "no dead-letter routing" not in caplog.text
+        native.delete_group(group + "p")
     finally:
         legacy.close()
         native.close()
