@@ -1467,7 +1467,6 @@ class Broker:
         self._require(Feature.REQUEST_REPLY)
         # The request expires a little after its requester gives up (clocks differ).
         ttl = min(seconds * 1.1 + 1.0, self._caps.max_ttl)
-        # Checked before a reply route is made for it: bad input leaves nothing behind.
         self._envelope(topic, body, headers, key, priority, None, None, None, self._now(), ttl)
         with self._lock:
             if self._closing:

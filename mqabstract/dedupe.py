@@ -218,15 +218,24 @@ class SQLiteStore(DedupeStore):
                            f"{self.busy_timeout:g}s")
         return StoreError(f"dedupe store {self.path}: {what}: {text}")
 
-    def _run(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+    @contextlib.contextmanager
+    def _held(self, what: str) -> Iterator[sqlite3.Connection]:
+        """This thread's connection with its lock held, while the store is open."""
         try:
             conn, lock = self._entry()
-            with lock:
-                if self._closed:
-                    raise StoreError(f"dedupe store {self.path} is closed")
-                return fn(conn)
         except sqlite3.Error as exc:
             raise self._error(what, exc) from exc
+        with lock:
+            if self._closed:
+                raise StoreError(f"dedupe store {self.path} is closed")
+            yield conn
+
+    def _run(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        with self._held(what) as conn:
+            try:
+                return fn(conn)
+            except sqlite3.Error as exc:
+                raise self._error(what, exc) from exc
 
     # -- the store ---------------------------------------------------------------------------
     def seen(self, group: str, mid: str) -> bool:
@@ -254,15 +263,8 @@ class SQLiteStore(DedupeStore):
         then acks the message. The write lock is held until the block ends: keep it short.
         """
         key = _key(msg.group, msg.id)
-        try:
-            conn, lock = self._entry()
-        except sqlite3.Error as exc:
-            raise self._error("transaction", exc) from exc
-        with lock:
-            if self._closed:
-                raise StoreError(f"dedupe store {self.path} is closed")
-            with self._transaction(conn, key) as db:
-                yield db
+        with self._held("transaction") as conn, self._transaction(conn, key) as db:
+            yield db
 
     @contextlib.contextmanager
     def _transaction(self, conn: sqlite3.Connection, key: tuple[str, str]

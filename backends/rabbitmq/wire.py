@@ -129,5 +129,4 @@ def _dead_headers(props: Any) -> dict[str, Any]:
     own[H_ATTEMPT] = str(so_far)
     if H_TOPIC not in own and keys:
         own[H_TOPIC] = _text(keys[0])
-    own.pop(wire.DELIVER_AT, None)
     return own
