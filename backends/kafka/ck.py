@@ -498,7 +498,6 @@ class _Reader(Reader):
         self.timeout = s.request_timeout_ms / 1000
         self.assigned: set[TP] = set()  # as the caller sees it
         self.live: set[TP] = set()  # assigned in librdkafka: positioned by a seek
-        self.paused: set[TP] = set()
         self.next: dict[TP, int] = {}  # offset after the last record returned, per partition
         try:
             self.c = self._make(cfg)
@@ -521,7 +520,6 @@ class _Reader(Reader):
         self.live -= gone
         for tp in self.assigned - wanted:
             self.next.pop(tp, None)
-        self.paused &= wanted
         self.assigned = wanted
 
     def poll(self, timeout: float, max_records: int) -> dict[TP, list[Fetched]]:
@@ -560,18 +558,6 @@ class _Reader(Reader):
             self.next[tp] = batch[-1].offset + 1
         return out
 
-    def pause(self, tps: Collection[TP]) -> None:
-        self.paused |= set(tps)
-        live = [tp for tp in tps if tp in self.live]
-        if live:
-            self.c.pause(_native(live))
-
-    def resume(self, tps: Collection[TP]) -> None:
-        self.paused -= set(tps)
-        live = [tp for tp in tps if tp in self.live]
-        if live:
-            self.c.resume(_native(live))
-
     def seek(self, positions: Mapping[TP, int | None]) -> None:
         if not positions:
             return
@@ -585,9 +571,6 @@ class _Reader(Reader):
             if new:
                 self.c.incremental_assign([native(tp, positions[tp]) for tp in new])
                 self.live.update(new)
-                held = [tp for tp in new if tp in self.paused]
-                if held:
-                    self.c.pause(_native(held))
             for tp, offset in positions.items():
                 if tp not in new:
                     self.c.seek(native(tp, offset))

@@ -197,12 +197,6 @@ class Reader(abc.ABC):
     def poll(self, timeout: float, max_records: int) -> dict[TP, list[Fetched]]: ...
 
     @abc.abstractmethod
-    def pause(self, tps: Collection[TP]) -> None: ...
-
-    @abc.abstractmethod
-    def resume(self, tps: Collection[TP]) -> None: ...
-
-    @abc.abstractmethod
     def seek(self, positions: Mapping[TP, int | None]) -> None:
         """Set positions of assigned partitions; None: the partition's beginning."""
 

@@ -117,7 +117,7 @@ class KafkaDriver(Driver):
         "linger_ms": Option(int, 2, "producer batching delay"),
         "fetch_max_wait_ms": Option(int, 100, "longest a fetch waits for new records"),
         "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group"),
-        "max_buffered": Option(int, 20000, "records one consumer holds before pausing"),
+        "max_buffered": Option(int, 20000, "records one consumer holds before it stops fetching"),
         "client_id": Option(str, "mqabstract", "Kafka client id"),
         "security_protocol": Option(str, None, "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
         "sasl_mechanism": Option(str, None, "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ..."),

@@ -280,12 +280,6 @@ class _Reader(Reader):
         except Exception as exc:
             raise classify(exc) from exc
 
-    def pause(self, tps: Collection[TP]) -> None:
-        self.c.pause(*_native(tps))
-
-    def resume(self, tps: Collection[TP]) -> None:
-        self.c.resume(*_native(tps))
-
     def seek(self, positions: Mapping[TP, int | None]) -> None:
         try:
             for tp, offset in positions.items():
@@ -417,7 +411,7 @@ class _Member(_Reader, Member):
     def start(self, positions: Mapping[TP, int | None]) -> None:
         self.seek(positions)
         if positions:
-            self.resume(positions)
+            self.c.resume(*_native(positions))
 
     def stable(self) -> bool:
         """kafka-python refuses commits while the membership is not stable."""

@@ -92,6 +92,10 @@ class KafkaSubscription(DriverSubscription):
         self.group_stopping = False
         self.waiting = 0
         self.last_receive = time.monotonic()
+        # Over ``max_buffered``: the data thread stops fetching (not a partition pause:
+        # librdkafka drops what it fetched ahead for paused partitions and fetches it
+        # again on resume, which cost half the throughput; unpolled, it stops at its own
+        # queue bounds). A receive that takes the buffer to half wakes it.
         self.paused = False
         self.assigned_once = threading.Event()
         self.error: BaseException | None = None
@@ -426,10 +430,10 @@ class KafkaSubscription(DriverSubscription):
                 try:
                     self._refresh_data()
                     self._tick()
-                    if not self.data_assigned:
+                    if not self.data_assigned or self.paused:
                         wait = min(0.2, self._poll_ms() / 1000)
                         with self.cv:
-                            if not self.stopping:
+                            if not self.stopping and not (self.paused and self._drained()):
                                 self.cv.wait(wait)
                         pause = 0.0
                         continue
@@ -512,8 +516,6 @@ class KafkaSubscription(DriverSubscription):
                         del self.leased[token]
             self.data.assign(wanted)
             self.data_assigned = wanted
-            if self.paused and wanted:
-                self.data.pause(wanted)
         if new:
             try:
                 committed = self.d.committed(self.spec.name, new)
@@ -627,8 +629,6 @@ class KafkaSubscription(DriverSubscription):
         try:
             new.assign(self.data_assigned)
             new.seek(positions)
-            if self.paused and self.data_assigned:
-                new.pause(self.data_assigned)
         except Exception:
             new.close()
             raise
@@ -672,6 +672,11 @@ class KafkaSubscription(DriverSubscription):
                 wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
         return int(max(0.005, wake - now) * 1000)
 
+    def _drained(self) -> bool:
+        """Whether the buffer is down to where a paused data thread fetches again."""
+        limit: int = self.d.opts["max_buffered"]
+        return len(self.ready) + len(self.held) <= limit // 2
+
     def _tick(self) -> None:
         now = time.time()
         expired: list[Rec] = []
@@ -707,10 +712,8 @@ class KafkaSubscription(DriverSubscription):
             self._move(expired, handoff, epoch)
         limit = self.d.opts["max_buffered"]
         if buffered > limit and not self.paused and self.data_assigned:
-            self.data.pause(self.data_assigned)
             self.paused = True
         elif buffered <= limit // 2 and self.paused:
-            self.data.resume(self.data_assigned)
             self.paused = False
             now = time.monotonic()  # paused is not stalled: idle time counts from here
             for tp in self.data_assigned:
@@ -994,6 +997,8 @@ class KafkaSubscription(DriverSubscription):
                         if lease_until > part.deadline:
                             part.deadline = lease_until
                         picked.append((token, rec))
+                    if picked and self.paused and self._drained():
+                        self.cv.notify_all()  # the paused data thread fetches again
                 finally:
                     self.waiting -= 1
                     self.last_receive = time.monotonic()

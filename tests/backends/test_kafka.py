@@ -403,3 +403,39 @@ def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
                 msg.ack()
         assert sorted(seen) == sorted(later)
         assert inner.data is not wedged
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_full_buffer_stops_fetching_and_a_drained_one_resumes(url, client) -> None:
+    """Over ``max_buffered`` the data thread stops fetching (it does not pause partitions:
+    librdkafka would discard its prefetch) and starts again once receives took the buffer
+    to half: every record arrives, and the buffer never holds much more than the limit."""
+    sep = "&" if "?" in url else "?"
+    limit, n = 50, 3000
+    with mqabstract.connect(f"{url}{sep}client={client}&max_buffered={limit}") as mq:
+        token = "b" + os.urandom(4).hex()
+        group, topic = f"buffer-{token}", f"bp.{token}.x"
+        try:
+            mq.declare(group, topic)
+            ids = mq.publish_batch([(topic, f"m{i}".encode()) for i in range(n)])
+            sub = mq.subscribe(group, topic)
+            inner = sub._inner
+            seen: list[str] = []
+            most = 0
+            stopped = False
+            deadline = time.monotonic() + 60
+            while len(seen) < n and time.monotonic() < deadline:
+                time.sleep(0.05)  # let the data thread fill the buffer meanwhile
+                with inner.cv:
+                    most = max(most, len(inner.ready) + len(inner.held))
+                stopped = stopped or inner.paused
+                got = sub.receive(200, 1.0)
+                seen += [m.id for m in got]
+                sub.ack_many(got)
+            assert sorted(seen) == sorted(ids)
+            assert stopped, "the buffer never reached max_buffered"
+            # One poll (up to 1,000 records) may land on top of a buffer just under the limit.
+            assert most <= limit + 1000
+            assert len(seen) == len(set(seen))
+        finally:
+            mq.delete_group(group)
