@@ -493,6 +493,9 @@ class _Reader(Reader):
             "enable.partition.eof": False,
             "fetch.wait.max.ms": s.fetch_max_wait_ms,
             "topic.metadata.refresh.interval.ms": 30000,
+            # What librdkafka reads ahead while the data thread does not poll (its buffer
+            # is full): 64 MiB by default; 16 MiB measured as fast here.
+            "queued.max.messages.kbytes": s.prefetch_kbytes,
         })
         cfg.update(extra)
         self.timeout = s.request_timeout_ms / 1000

@@ -82,6 +82,7 @@ class Settings:
     heartbeat_interval_ms: int = 1000
     max_poll_interval_ms: int = 30000
     fetch_max_wait_ms: int = 100
+    prefetch_kbytes: int = 16384
 
 
 class Outgoing(NamedTuple):

@@ -55,6 +55,9 @@ RELEASE_SLACK = 2.5
 #: this prefix, then the group's pattern (which ``stats`` needs to find its topics).
 PATTERN_META = "mqp1 "
 
+#: librdkafka's upper bound of queued.max.messages.kbytes.
+PREFETCH_KBYTES_MAX = 2_097_151
+
 R = TypeVar("R")
 
 
@@ -118,6 +121,8 @@ class KafkaDriver(Driver):
         "fetch_max_wait_ms": Option(int, 100, "longest a fetch waits for new records"),
         "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group"),
         "max_buffered": Option(int, 20000, "records one consumer holds before it stops fetching"),
+        "prefetch_kbytes": Option(int, 16384, "what librdkafka reads ahead per consumer, KiB "
+                                  "(queued.max.messages.kbytes; confluent-kafka only)"),
         "client_id": Option(str, "mqabstract", "Kafka client id"),
         "security_protocol": Option(str, None, "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
         "sasl_mechanism": Option(str, None, "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ..."),
@@ -182,6 +187,9 @@ class KafkaDriver(Driver):
         except ImportError as exc:
             raise InvalidArgument(f"Kafka client {opts['client']!r} is not installed: "
                                   f"{exc}") from exc
+        if not 1 <= opts["prefetch_kbytes"] <= PREFETCH_KBYTES_MAX:
+            raise InvalidArgument(f"option prefetch_kbytes={opts['prefetch_kbytes']} is out of "
+                                  f"range 1..{PREFETCH_KBYTES_MAX}")
         self.settings = self._settings(url, opts)
         self._known: set[str] = set()
         self._declared: dict[str, int] = {}
@@ -232,6 +240,7 @@ class KafkaDriver(Driver):
             heartbeat_interval_ms=opts["heartbeat_interval_ms"],
             max_poll_interval_ms=opts["max_poll_interval_ms"],
             fetch_max_wait_ms=opts["fetch_max_wait_ms"],
+            prefetch_kbytes=opts["prefetch_kbytes"],
         )
 
     def _fork_check(self) -> None:

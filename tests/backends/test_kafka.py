@@ -439,3 +439,10 @@ def test_a_full_buffer_stops_fetching_and_a_drained_one_resumes(url, client) -> 
             assert len(seen) == len(set(seen))
         finally:
             mq.delete_group(group)
+
+
+def test_prefetch_kbytes_out_of_range_is_refused_at_connect(url) -> None:
+    sep = "&" if "?" in url else "?"
+    for bad in (0, 2_097_152):
+        with pytest.raises(mqabstract.InvalidArgument, match="prefetch_kbytes"):
+            mqabstract.connect(f"{url}{sep}prefetch_kbytes={bad}")
