@@ -120,7 +120,8 @@ class KafkaDriver(Driver):
         "linger_ms": Option(int, 2, "producer batching delay"),
         "fetch_max_wait_ms": Option(int, 100, "longest a fetch waits for new records"),
         "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group"),
-        "max_buffered": Option(int, 20000, "records one consumer holds before it stops fetching"),
+        "max_buffered": Option(int, 20000, "records waiting for receive before a consumer "
+                               "stops polling for more (delayed ones: 10x)"),
         "prefetch_kbytes": Option(int, 16384, "what librdkafka reads ahead per consumer, KiB "
                                   "(queued.max.messages.kbytes; confluent-kafka only)"),
         "client_id": Option(str, "mqabstract", "Kafka client id"),
@@ -190,6 +191,9 @@ class KafkaDriver(Driver):
         if not 1 <= opts["prefetch_kbytes"] <= PREFETCH_KBYTES_MAX:
             raise InvalidArgument(f"option prefetch_kbytes={opts['prefetch_kbytes']} is out of "
                                   f"range 1..{PREFETCH_KBYTES_MAX}")
+        if opts["max_buffered"] < 1:
+            raise InvalidArgument(f"option max_buffered={opts['max_buffered']} must be at "
+                                  "least 1")
         self.settings = self._settings(url, opts)
         self._known: set[str] = set()
         self._declared: dict[str, int] = {}

@@ -43,6 +43,8 @@ _STALL_AFTER = 10.0
 #: partitions it asks about per round (the longest idle first).
 _STALL_PROBE = 2.0
 _STALL_PROBE_MAX = 32
+#: Held (delayed) records a consumer keeps before it stops fetching, in ``max_buffered``s.
+HELD_FACTOR = 10
 
 
 class KafkaSubscription(DriverSubscription):
@@ -431,10 +433,17 @@ class KafkaSubscription(DriverSubscription):
                     self._refresh_data()
                     self._tick()
                     if not self.data_assigned or self.paused:
-                        wait = min(0.2, self._poll_ms() / 1000)
+                        end = time.monotonic() + min(0.2, self._poll_ms() / 1000)
                         with self.cv:
-                            if not self.stopping and not (self.paused and self._drained()):
-                                self.cv.wait(wait)
+                            # Paused: other notifies (nacks, retry records) do not end the
+                            # wait; a receive that drained the buffer does.
+                            while not self.stopping and not (self.paused and self._drained()):
+                                left = end - time.monotonic()
+                                if left <= 0:
+                                    break
+                                self.cv.wait(left)
+                                if not self.paused:
+                                    break
                         pause = 0.0
                         continue
                     recs = self.data.poll(self._poll_ms() / 1000, 1000)
@@ -570,7 +579,7 @@ class KafkaSubscription(DriverSubscription):
         librdkafka one; kafka-python's end-offset query cannot be bounded in time).
         """
         now = time.monotonic()
-        if (now < self.next_stall_check or self.paused or not self.data_assigned
+        if (now < self.next_stall_check or not self.data_assigned
                 or not self.data.watched):
             return
         self.next_stall_check = now + _STALL_AFTER / 2
@@ -672,10 +681,19 @@ class KafkaSubscription(DriverSubscription):
                 wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
         return int(max(0.005, wake - now) * 1000)
 
-    def _drained(self) -> bool:
-        """Whether the buffer is down to where a paused data thread fetches again."""
+    def _full(self) -> bool:
+        """(Under ``lock``.) Whether the data thread stops fetching: more ready records
+        than ``max_buffered``, or more held (delayed) ones than ``HELD_FACTOR`` times that.
+        Held records leave only when due: at the ready bound, a backlog of delayed ones
+        would stop undelayed traffic until they are."""
         limit: int = self.d.opts["max_buffered"]
-        return len(self.ready) + len(self.held) <= limit // 2
+        return len(self.ready) > limit or len(self.held) > HELD_FACTOR * limit
+
+    def _drained(self) -> bool:
+        """(Under ``lock``.) Whether the buffer is down to where a paused data thread
+        fetches again: half of each bound."""
+        limit: int = self.d.opts["max_buffered"]
+        return len(self.ready) <= limit // 2 and len(self.held) <= HELD_FACTOR * limit // 2
 
     def _tick(self) -> None:
         now = time.time()
@@ -706,14 +724,13 @@ class KafkaSubscription(DriverSubscription):
                     # Counted as handed out: if we die before the original is committed
                     # done, its next owner gives it an attempt above the copy's.
                     part.mark = rec.offset + 1
-            buffered = len(self.ready) + len(self.held)
+            full, drained = self._full(), self._drained()
             epoch = self.epoch  # the partitions these records were taken from are ours
         if expired or handoff:
             self._move(expired, handoff, epoch)
-        limit = self.d.opts["max_buffered"]
-        if buffered > limit and not self.paused and self.data_assigned:
+        if full and not self.paused and self.data_assigned:
             self.paused = True
-        elif buffered <= limit // 2 and self.paused:
+        elif drained and self.paused:
             self.paused = False
             now = time.monotonic()  # paused is not stalled: idle time counts from here
             for tp in self.data_assigned:

@@ -407,9 +407,10 @@ def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
 
 @pytest.mark.parametrize("client", ["confluent", "kafka-python"])
 def test_a_full_buffer_stops_fetching_and_a_drained_one_resumes(url, client) -> None:
-    """Over ``max_buffered`` the data thread stops fetching (it does not pause partitions:
-    librdkafka would discard its prefetch) and starts again once receives took the buffer
-    to half: every record arrives, and the buffer never holds much more than the limit."""
+    """Over ``max_buffered`` the data thread stops polling its reader (it does not pause
+    partitions: librdkafka would discard its prefetch) and polls again once receives took
+    the buffer to half: every record arrives, the reader is never polled while the buffer
+    is full, and the buffer never holds much more than the limit."""
     sep = "&" if "?" in url else "?"
     limit, n = 50, 3000
     with mqabstract.connect(f"{url}{sep}client={client}&max_buffered={limit}") as mq:
@@ -418,31 +419,72 @@ def test_a_full_buffer_stops_fetching_and_a_drained_one_resumes(url, client) -> 
         try:
             mq.declare(group, topic)
             ids = mq.publish_batch([(topic, f"m{i}".encode()) for i in range(n)])
-            sub = mq.subscribe(group, topic)
-            inner = sub._inner
-            seen: list[str] = []
-            most = 0
-            stopped = False
-            deadline = time.monotonic() + 60
-            while len(seen) < n and time.monotonic() < deadline:
-                time.sleep(0.05)  # let the data thread fill the buffer meanwhile
-                with inner.cv:
-                    most = max(most, len(inner.ready) + len(inner.held))
-                stopped = stopped or inner.paused
-                got = sub.receive(200, 1.0)
-                seen += [m.id for m in got]
-                sub.ack_many(got)
+            with mq.subscribe(group, topic) as sub:
+                inner = sub._inner
+                reader, polls_while_full = inner.data, []
+
+                def poll(timeout: float, max_records: int, real=reader.poll):
+                    if inner.paused:
+                        polls_while_full.append(len(inner.ready))
+                    return real(timeout, max_records)
+
+                reader.poll = poll
+                seen: list[str] = []
+                most, stopped = 0, False
+                deadline = time.monotonic() + 60
+                while len(seen) < n and time.monotonic() < deadline:
+                    time.sleep(0.05)  # let the data thread fill the buffer meanwhile
+                    with inner.cv:
+                        most = max(most, len(inner.ready) + len(inner.held))
+                    stopped = stopped or inner.paused
+                    got = sub.receive(200, 1.0)
+                    seen += [m.id for m in got]
+                    sub.ack_many(got)
+                assert inner.data is reader  # (no reader renewal hid a poll)
             assert sorted(seen) == sorted(ids)
             assert stopped, "the buffer never reached max_buffered"
+            assert polls_while_full == []
             # One poll (up to 1,000 records) may land on top of a buffer just under the limit.
             assert most <= limit + 1000
-            assert len(seen) == len(set(seen))
         finally:
             mq.delete_group(group)
 
 
-def test_prefetch_kbytes_out_of_range_is_refused_at_connect(url) -> None:
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_backlog_of_delayed_records_does_not_stop_undelayed_ones(url, client) -> None:
+    """Delayed records wait in memory until due; more of them than ``max_buffered`` must
+    not stop the records published after them (they count against a bound ten times
+    larger: before, an hour's delay on 10,000 records stopped the consumer for an hour)."""
     sep = "&" if "?" in url else "?"
-    for bad in (0, 2_097_152):
-        with pytest.raises(mqabstract.InvalidArgument, match="prefetch_kbytes"):
-            mqabstract.connect(f"{url}{sep}prefetch_kbytes={bad}")
+    limit = 50
+    with mqabstract.connect(f"{url}{sep}client={client}&max_buffered={limit}") as mq:
+        token = "d" + os.urandom(4).hex()
+        group, topic = f"delayed-{token}", f"dl.{token}.x"
+        try:
+            mq.declare(group, topic)
+            mq.publish_batch([mqabstract.OutgoingMessage(topic, b"later", delay=120)
+                              for _ in range(4 * limit)])
+            with mq.subscribe(group, topic) as sub:
+                inner = sub._inner
+                deadline = time.monotonic() + 30
+                while len(inner.held) < 4 * limit and time.monotonic() < deadline:
+                    assert sub.receive(1, 0.2) == []
+                assert len(inner.held) == 4 * limit
+                now = {mq.publish(topic, f"now {i}".encode()) for i in range(5)}
+                seen: set[str] = set()
+                deadline = time.monotonic() + 20
+                while len(seen) < 5 and time.monotonic() < deadline:
+                    got = sub.receive(5, 1.0)
+                    seen |= {m.id for m in got}
+                    sub.ack_many(got)
+                assert seen == now
+        finally:
+            mq.delete_group(group)
+
+
+def test_buffer_options_out_of_range_are_refused_at_connect(url) -> None:
+    sep = "&" if "?" in url else "?"
+    for option, bad in (("prefetch_kbytes", 0), ("prefetch_kbytes", 2_097_152),
+                        ("max_buffered", 0)):
+        with pytest.raises(mqabstract.InvalidArgument, match=option):
+            mqabstract.connect(f"{url}{sep}{option}={bad}")
