@@ -436,7 +436,8 @@ class KafkaSubscription(DriverSubscription):
                         end = time.monotonic() + min(0.2, self._poll_ms() / 1000)
                         with self.cv:
                             # Paused: other notifies (nacks, retry records) do not end the
-                            # wait; a receive that drained the buffer does.
+                            # wait; a receive that drained the buffer does. Unassigned: any
+                            # notify ends it (``paused`` changes only in this thread).
                             while not self.stopping and not (self.paused and self._drained()):
                                 left = end - time.monotonic()
                                 if left <= 0:
