@@ -94,10 +94,9 @@ class KafkaSubscription(DriverSubscription):
         self.group_stopping = False
         self.waiting = 0
         self.last_receive = time.monotonic()
-        # Over ``max_buffered``: the data thread stops fetching (not a partition pause:
-        # librdkafka drops what it fetched ahead for paused partitions and fetches it
-        # again on resume, which cost half the throughput; unpolled, it stops at its own
-        # queue bounds). A receive that takes the buffer to half wakes it.
+        # Buffer full (``_full``): the data thread stops polling its reader, which is not
+        # paused (librdkafka would discard its read-ahead and fetch it again on resume).
+        # A receive that drains the buffer to half (``_drained``) wakes it.
         self.paused = False
         self.assigned_once = threading.Event()
         self.error: BaseException | None = None
@@ -433,18 +432,12 @@ class KafkaSubscription(DriverSubscription):
                     self._refresh_data()
                     self._tick()
                     if not self.data_assigned or self.paused:
-                        end = time.monotonic() + min(0.2, self._poll_ms() / 1000)
+                        wait = min(0.2, self._poll_ms() / 1000)
                         with self.cv:
-                            # Paused: other notifies (nacks, retry records) do not end the
-                            # wait; a receive that drained the buffer does. Unassigned: any
-                            # notify ends it (``paused`` changes only in this thread).
-                            while not self.stopping and not (self.paused and self._drained()):
-                                left = end - time.monotonic()
-                                if left <= 0:
-                                    break
-                                self.cv.wait(left)
-                                if not self.paused:
-                                    break
+                            if self.paused:  # until a receive drained the buffer
+                                self.cv.wait_for(lambda: self.stopping or self._drained(), wait)
+                            elif not self.stopping:  # unassigned: any notify ends it
+                                self.cv.wait(wait)
                         pause = 0.0
                         continue
                     recs = self.data.poll(self._poll_ms() / 1000, 1000)
