@@ -9,7 +9,9 @@ binding: readers carry a group id they never join or commit (``READER_GROUP``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -24,6 +26,7 @@ from mqabstract.url import redact
 
 from .client import (
     TP,
+    TXN_TIMEOUT_MS,
     Admin,
     Client,
     ClientError,
@@ -31,6 +34,7 @@ from .client import (
     Kind,
     Listener,
     Member,
+    Mover,
     Outgoing,
     Pending,
     Producer,
@@ -769,6 +773,13 @@ class _Member(_Reader, Member):
     def stable(self) -> bool:
         return not self.rebalancing
 
+    def group_meta(self) -> tuple[object, int | None]:
+        with self.gate:
+            if self.closed:
+                raise ClientError(Kind.FENCED, "the group consumer is closed")
+            meta = self.c.consumer_group_metadata()
+        return meta, _generation(meta)
+
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
                done: Callable[[ClientError | None], None]) -> Pending:
         """Queue the commit for the committer thread; its outcome comes as a Pending.
@@ -826,6 +837,105 @@ class _Member(_Reader, Member):
         super().close()
 
 
+def _generation(meta: object) -> int | None:
+    """The generation in librdkafka's serialised group metadata (``CGMDv2:``, then the
+    generation as a native int32, the group id and the member id, each NUL-ended);
+    -1 when the member id is empty (not a member: the coordinator accepts a transactional
+    offset commit without a member id from anyone). None for another format."""
+    if not isinstance(meta, bytes) or not meta.startswith(b"CGMDv2:") or len(meta) < 11:
+        return None
+    generation = int.from_bytes(meta[7:11], sys.byteorder, signed=True)
+    names = meta[11:].split(b"\0")
+    return generation if len(names) > 2 and names[1] else -1
+
+
+class _Mover(Mover):
+    """A transactional librdkafka producer."""
+
+    def __init__(self, s: Settings, transactional_id: str) -> None:
+        cfg = _config(s)
+        cfg.update({
+            "transactional.id": transactional_id,
+            "transaction.timeout.ms": TXN_TIMEOUT_MS,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 0,
+            "message.max.bytes": 1_048_576,
+            "allow.auto.create.topics": False,
+            # (librdkafka: neither may exceed the transaction timeout)
+            "socket.timeout.ms": min(s.request_timeout_ms, TXN_TIMEOUT_MS),
+            "request.timeout.ms": min(s.request_timeout_ms, TXN_TIMEOUT_MS),
+            "message.timeout.ms": min(TXN_TIMEOUT_MS, 2 * s.request_timeout_ms),
+        })
+        self.cfg = cfg
+        self.timeout = s.request_timeout_ms / 1000
+        self.p: Any = None
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            p = ck.Producer(self.cfg)
+            # Completes (or aborts) what an earlier producer with this id left open.
+            p.init_transactions(self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        self.p = p
+
+    def move(self, records: Sequence[Outgoing], offsets: Mapping[TP, tuple[int, str]],
+             group_meta: object, timeout: float) -> None:
+        if self.p is None:
+            self._open()
+        p = self.p
+        end = time.monotonic() + timeout
+        try:
+            p.begin_transaction()
+            for r in records:
+                if r.partition is None:
+                    p.produce(r.topic, r.value, r.key, headers=r.headers,
+                              timestamp=r.timestamp_ms or 0)
+                else:
+                    p.produce(r.topic, r.value, r.key, r.partition, headers=r.headers,
+                              timestamp=r.timestamp_ms or 0)
+            p.send_offsets_to_transaction(
+                [ck.TopicPartition(t, n, o, metadata=m) for (t, n), (o, m) in offsets.items()],
+                group_meta, max(0.05, end - time.monotonic()))
+            p.commit_transaction(max(0.05, end - time.monotonic()))
+        except Exception as exc:
+            err = classify(exc)
+            native = exc.args[0] if isinstance(exc, ck.KafkaException) and exc.args else None
+            abortable = native is None or not isinstance(native, _E) or (
+                native.txn_requires_abort())
+            try:
+                if not abortable:  # (a commit that timed out, a fatal error)
+                    raise err
+                p.abort_transaction(max(0.5, end - time.monotonic()))
+            except Exception:
+                err.doubt = True
+                self._replace()
+            raise err from exc
+
+    def _replace(self) -> None:
+        """A new producer with the same transactional.id: its init_transactions completes
+        or aborts the transaction this one left, so its outcome can be read back."""
+        old, self.p = self.p, None
+        threading.Thread(target=_drop_producer, args=(old, 1.0), daemon=True,
+                         name="mqabstract-kafka-mover-close").start()
+        with contextlib.suppress(ClientError):
+            self._open()  # (else at the next move)
+
+    def close(self, timeout: float) -> None:
+        if self.p is not None:
+            _drop_producer(self.p, timeout)
+            self.p = None
+
+
+def _drop_producer(p: Any, timeout: float) -> None:
+    try:
+        p.flush(timeout)
+    except Exception as exc:
+        log.debug("kafka: mover close: %s", exc)
+
+
 class _Client(Client):
     name = "confluent"
 
@@ -849,6 +959,9 @@ class _Client(Client):
     def member(self, settings: Settings, group: str, topic: str, revoked: Listener,
                assigned: Listener) -> Member:
         return _Member(settings, group, topic, revoked, assigned)
+
+    def mover(self, settings: Settings, transactional_id: str) -> Mover:
+        return _Mover(settings, transactional_id)
 
 
 CLIENT = _Client()

@@ -23,8 +23,8 @@ from typing import NamedTuple, Protocol
 
 from mqabstract import wire
 
-__all__ = ["TP", "Admin", "Client", "ClientError", "Fetched", "Kind", "Member", "Outgoing",
-           "Pending", "Producer", "Reader", "Settings", "available", "load"]
+__all__ = ["TP", "Admin", "Client", "ClientError", "Fetched", "Kind", "Member", "Mover",
+           "Outgoing", "Pending", "Producer", "Reader", "Settings", "available", "load"]
 
 
 class TP(NamedTuple):
@@ -50,10 +50,13 @@ class Kind(enum.Enum):
 class ClientError(Exception):
     """A client failure, classified. ``native`` names the client's own error type."""
 
-    def __init__(self, kind: Kind, text: str, native: str = "") -> None:
+    def __init__(self, kind: Kind, text: str, native: str = "", doubt: bool = False) -> None:
         super().__init__(text)
         self.kind = kind
         self.native = native
+        #: (``Mover.move``) whether the transaction may have committed all the same: its
+        #: outcome is not known (the caller reads the committed offsets back).
+        self.doubt = doubt
 
     @property
     def retriable(self) -> bool:
@@ -144,6 +147,33 @@ class Producer(abc.ABC):
     def forget(self, topics: Collection[str]) -> None:
         """Stop tracking deleted topics' metadata (kafka-python asks for them forever)."""
         return None
+
+    @abc.abstractmethod
+    def close(self, timeout: float) -> None: ...
+
+
+#: How long a transaction of ``Mover`` may stay open before the broker aborts it (it then
+#: also stops a new owner of its partitions from reading their checkpoints: require_stable).
+TXN_TIMEOUT_MS = 10_000
+
+
+class Mover(abc.ABC):
+    """A transactional producer (one ``transactional.id``, one user at a time).
+
+    ``move`` writes records *and* commits group offsets in one Kafka transaction, the
+    offsets fenced by the consumer group's generation (KIP-447: ``group_meta`` is the
+    member's snapshot, checked by the group coordinator in TxnOffsetCommit). Either the
+    records become visible to ``read_committed`` readers and the offsets are committed,
+    or neither: a member evicted while frozen gets ``Kind.FENCED`` and its records are
+    aborted. Offsets fetched with require_stable wait while such a transaction is open.
+    """
+
+    @abc.abstractmethod
+    def move(self, records: Sequence[Outgoing], offsets: Mapping[TP, tuple[int, str]],
+             group_meta: object, timeout: float) -> None:
+        """Raises ``ClientError``; the transaction is then aborted, unless the error's
+        ``doubt`` says the outcome is unknown (the mover has then been replaced by one
+        with the same ``transactional.id``, which completed the old transaction)."""
 
     @abc.abstractmethod
     def close(self, timeout: float) -> None: ...
@@ -254,6 +284,11 @@ class Member(Reader):
         """Whether the membership is stable (no rebalance under way): commits can land."""
 
     @abc.abstractmethod
+    def group_meta(self) -> tuple[object, int | None]:
+        """A snapshot of this member's group membership for ``Mover.move`` and its
+        generation (None where the client does not tell; negative: not a member)."""
+
+    @abc.abstractmethod
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
                done: Callable[[ClientError | None], None]) -> Pending:
         """Schedule an asynchronous commit of (offset, metadata) per partition, in order
@@ -278,6 +313,9 @@ class Client(abc.ABC):
     @abc.abstractmethod
     def member(self, settings: Settings, group: str, topic: str, revoked: Listener,
                assigned: Listener) -> Member: ...
+
+    @abc.abstractmethod
+    def mover(self, settings: Settings, transactional_id: str) -> Mover: ...
 
 
 #: Client names and their modules, in order of preference (the fastest first).

@@ -30,6 +30,7 @@ from mqabstract.url import redact
 
 from .client import (
     TP,
+    TXN_TIMEOUT_MS,
     Admin,
     Client,
     ClientError,
@@ -37,6 +38,7 @@ from .client import (
     Kind,
     Listener,
     Member,
+    Mover,
     Outgoing,
     Pending,
     Producer,
@@ -222,13 +224,26 @@ class _Admin(Admin):
 
     def group_offsets(self, group: str, tps: Collection[TP]
                       ) -> dict[TP, tuple[int, str] | None]:
-        found = self._call(self.a.list_group_offsets, {group: _native(tps)}).get(group, {})
+        """Committed offsets, stable ones only (require_stable, KIP-447): while a
+        transaction that commits offsets of these partitions is open (``Mover``), the
+        coordinator answers UNSTABLE_OFFSET_COMMIT (retriable: the driver asks again)
+        instead of the offsets before it. kafka-python's ``list_group_offsets`` never
+        asks for stable offsets; this is its request with the flag set."""
+        found = self._call(self.a._manager.run, self._stable_offsets, group, list(tps))
         out: dict[TP, tuple[int, str] | None] = {}
         for tp in tps:
             oam = found.get(TopicPartition(*tp))
             out[tp] = (oam.offset, oam.metadata or "") if oam is not None and oam.offset >= 0 \
                 else None
         return out
+
+    async def _stable_offsets(self, group: str, tps: list[TP]) -> Any:
+        (node,) = (await self.a._find_coordinator_ids([group])).values()
+        requests = list(self.a._list_group_offsets_requests({group: tps}))
+        (_, request), = requests
+        request.require_stable = True
+        response = await self.a._manager.send(request, node_id=node)
+        return self.a._list_group_offsets_process_response(response, group_id=group)[group]
 
     def set_group_offsets(self, group: str, offsets: Mapping[TP, tuple[int, str]]) -> None:
         self._call(self.a.alter_group_offsets, group,
@@ -355,7 +370,9 @@ class _Pending(Pending):
 class _Member(_Reader, Member):
     def __init__(self, s: Settings, group: str, topic: str, revoked: Listener,
                  assigned: Listener) -> None:
-        super().__init__(s, group_id=group,
+        # read_committed: the retry topic is written in transactions (``Mover``); an
+        # aborted copy (a zombie's) is never read.
+        super().__init__(s, group_id=group, isolation_level="read_committed",
                          session_timeout_ms=s.session_timeout_ms,
                          heartbeat_interval_ms=s.heartbeat_interval_ms,
                          max_poll_interval_ms=s.max_poll_interval_ms)
@@ -418,6 +435,10 @@ class _Member(_Reader, Member):
         check = getattr(getattr(self.c, "_coordinator", None), "generation_if_stable", None)
         return check is None or check() is not None
 
+    def group_meta(self) -> tuple[object, int | None]:
+        meta = self.c.group_metadata()
+        return meta, meta.generation_id if meta.member_id else -1
+
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
                done: Callable[[ClientError | None], None]) -> Pending:
         native = {TopicPartition(*tp): OffsetAndMetadata(o, m, -1)
@@ -442,6 +463,83 @@ class _Member(_Reader, Member):
         return _Pending(future)
 
 
+class _Mover(Mover):
+    """A transactional KafkaProducer. kafka-python's ``commit_transaction`` and
+    ``send_offsets_to_transaction`` wait without a time limit: their requests are made
+    on its transaction manager and waited for with one here."""
+
+    def __init__(self, s: Settings, transactional_id: str) -> None:
+        self.s = s
+        self.tid = transactional_id
+        self.p: Any = None
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            p = _no_auto_create(KafkaProducer(
+                **_config(self.s), acks="all", enable_idempotence=True, linger_ms=0,
+                max_block_ms=self.s.request_timeout_ms, max_request_size=1_048_576,
+                transactional_id=self.tid, transaction_timeout_ms=TXN_TIMEOUT_MS,
+                bootstrap_timeout_ms=int(self.s.connect_timeout * 1000)))
+        except Exception as exc:
+            raise classify(exc) from exc
+        try:
+            # Completes (or aborts) what an earlier producer with this id left open.
+            p.init_transactions()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                p.close(timeout=0)
+            raise classify(exc) from exc
+        self.p = p
+
+    def _await(self, result: Any, timeout: float) -> None:
+        self.p._sender.wakeup()
+        if not result.wait(timeout_ms=max(1, int(timeout * 1000))):
+            raise ClientError(Kind.TIMEOUT, f"transaction step not done within {timeout:.2f}s")
+
+    def move(self, records: Sequence[Outgoing], offsets: Mapping[TP, tuple[int, str]],
+             group_meta: object, timeout: float) -> None:
+        if self.p is None:
+            self._open()
+        p = self.p
+        tm = p._transaction_manager
+        end = time.monotonic() + timeout
+        try:
+            p.begin_transaction()
+            futures = [p.send(r.topic, value=r.value, key=r.key, headers=r.headers,
+                              partition=r.partition, timestamp_ms=r.timestamp_ms)
+                       for r in records]
+            self._await(tm.send_offsets_to_transaction(
+                {TopicPartition(*tp): OffsetAndMetadata(o, m, -1)
+                 for tp, (o, m) in offsets.items()}, group_meta), end - time.monotonic())
+            p.flush(timeout=max(0.0, end - time.monotonic()))
+            for fut in futures:
+                fut.get(timeout=max(0.0, end - time.monotonic()))
+            self._await(tm.begin_commit(), end - time.monotonic())
+        except Exception as exc:
+            err = classify(exc)
+            try:  # (refused once the commit began: then the outcome is not known)
+                self._await(tm.begin_abort(), max(0.5, end - time.monotonic()))
+            except Exception:
+                err.doubt = True
+                self._replace()
+            raise err from exc
+
+    def _replace(self) -> None:
+        """A new producer with the same transactional.id: its init_transactions completes
+        or aborts the transaction this one left, so its outcome can be read back."""
+        old, self.p = self.p, None
+        with contextlib.suppress(Exception):
+            old.close(timeout=0)
+        with contextlib.suppress(ClientError):
+            self._open()  # (else at the next move)
+
+    def close(self, timeout: float) -> None:
+        if self.p is not None:
+            with contextlib.suppress(Exception):
+                self.p.close(timeout=timeout)
+
+
 class _Client(Client):
     name = "kafka-python"
 
@@ -460,6 +558,9 @@ class _Client(Client):
     def member(self, settings: Settings, group: str, topic: str, revoked: Listener,
                assigned: Listener) -> Member:
         return _Member(settings, group, topic, revoked, assigned)
+
+    def mover(self, settings: Settings, transactional_id: str) -> Mover:
+        return _Mover(settings, transactional_id)
 
 
 CLIENT = _Client()

@@ -151,21 +151,29 @@ class Part:
             return order[0]
         return self.next_fetch
 
-    def checkpoint(self, limit: int = CKPT_RANGES) -> tuple[int | None, str]:
-        """(offset to commit, metadata)."""
+    def checkpoint(self, limit: int = CKPT_RANGES, settle: Collection[int] = ()
+                   ) -> tuple[int | None, str]:
+        """(offset to commit, metadata). With ``settle``: as if those offsets were settled
+        too, changing nothing (the checkpoint a transaction commits with their copies)."""
         point = self.commit_point()
+        if settle:
+            point = next((o for o in self.order if o not in self.done and o not in settle),
+                         self.next_fetch)
         if point is None:
             point = self.committed
-        done = [o for o in self.done if point is None or o >= point]
-        if self.moving and point is not None:
-            self.moving = {o for o in self.moving if o >= point}
+        done = [o for o in {*self.done, *settle} if point is None or o >= point]
+        moving = self.moving
+        if moving and point is not None:
+            moving = {o for o in moving if o >= point}
+            if not settle:
+                self.moving = moving
         ckpt = Checkpoint(self.mark, self.bump, self.deadline, ranges(done),
-                          ranges(self.moving)).fit(limit)
+                          ranges(moving)).fit(limit)
         if ckpt.moving:
             # A moved record the checkpoint lists as done is skipped by a new owner; one
             # whose done entry did not fit is delivered again, one attempt above its copy.
             ckpt = ckpt._replace(moving=ranges(
-                [o for o in self.moving if not any(a <= o <= b for a, b in ckpt.done)]))
+                [o for o in moving if not any(a <= o <= b for a, b in ckpt.done)]))
         return point, ckpt.encode(limit)
 
 

@@ -34,8 +34,8 @@ log = logging.getLogger("mqabstract.kafka")
 #: Longest a revocation waits for re-publishes in flight (it may run on the client's I/O
 #: thread, so heartbeats wait as long).
 _MOVING_WAIT = 3.0
-#: A run of copies (``_move``) commits the originals written so far done this often.
-_DONE_EVERY = 0.1
+#: Most copies one transaction of ``_move`` writes.
+_MOVE_CHUNK = 500
 #: A data partition that fetched nothing for this long while the broker holds records
 #: beyond its position is read again by a new data consumer (``_check_stalled``).
 _STALL_AFTER = 10.0
@@ -45,6 +45,11 @@ _STALL_PROBE = 2.0
 _STALL_PROBE_MAX = 32
 #: Held (delayed) records a consumer keeps before it stops fetching, in ``max_buffered``s.
 HELD_FACTOR = 10
+
+
+class _Unknown(Timeout):
+    """A re-publish transaction whose outcome could not be found out (the broker away
+    after its commit began): the copy may or may not be there."""
 
 
 class KafkaSubscription(DriverSubscription):
@@ -78,6 +83,11 @@ class KafkaSubscription(DriverSubscription):
         self.commit_lock = threading.Lock()  # one commit built and sent at a time
         self.epoch = 0  # revocations so far (lock held)
         self.moving = 0  # re-publishes between their fence and their settled mark
+        # Copies and the checkpoints that settle their originals are written in one
+        # transaction (``_transfer``), on a transactional producer of this consumer.
+        self.mover: Any = None
+        self.txn_id = f"mqa..{spec.name}..{uuid.uuid4().hex}"
+        self.last_sent: Pending | None = None  # the latest offset commit sent
         self.ckpt_limit = CKPT_RANGES  # halved if the broker keeps less commit metadata
         self.ready: deque[Rec] = deque()
         self.held: list[tuple[float, int, Rec]] = []
@@ -195,7 +205,8 @@ class KafkaSubscription(DriverSubscription):
             except MQError as exc:
                 log.debug("kafka: final commit of %s: %s", self.spec.name, exc)
         else:
-            self._send_checkpoints(None)
+            # (not waiting for commit_lock: a transaction may hold it; next round)
+            self._send_checkpoints(None, patience=0)
 
     def _checkpoints(self, force: Collection[TP]) -> dict[TP, tuple[int, str]]:
         """The checkpoints that changed since last sent, plus those of ``force``."""
@@ -225,8 +236,10 @@ class KafkaSubscription(DriverSubscription):
             offsets = self._checkpoints(force)
             if not offsets:
                 return None
-            return self.group.commit(  # type: ignore[no-any-return]
+            sent: Pending = self.group.commit(
                 offsets, lambda err: self._committed(offsets, err))
+            self.last_sent = sent
+            return sent
         finally:
             self.commit_lock.release()
 
@@ -730,27 +743,42 @@ class KafkaSubscription(DriverSubscription):
             for tp in self.data_assigned:
                 self.data_seen[tp] = now
 
-    def _fence_tick(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> bool:
-        """Before re-publishing expired leases or handing records off: ``_fence``. A
+    def _fence_tick(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> object:
+        """Before re-publishing expired leases or handing records off: ``_fence`` (it
+        also makes sure no earlier commit of ours lands after the transaction's). A
         consumer woken from a freeze longer than its session still has its old leases and
-        buffers; its partitions' new owner redelivers those records from the checkpoint,
-        so a copy written here would repeat an attempt. True when fenced (and the move
-        counted, ``_begin_move``); on failure, or when a revocation began since ``epoch``,
-        nothing is written and the records go back (``_put_back``)."""
+        buffers; its partitions' new owner redelivers those records from the checkpoint.
+        Returns the group snapshot the transaction is fenced with (``_transfer``), the
+        move counted (``_begin_move``); on failure, or when a revocation began since
+        ``epoch``, None: nothing is written and the records go back (``_put_back``)."""
         budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
-        self._mark_moving(expired)
         try:
             if self.epoch != epoch:
                 raise LeaseExpired("a rebalance began")
             self._fence(budget, force={rec.tp for rec in (*expired, *handoff)})
+            meta = self._snapshot()
             if not self._begin_move(epoch):
                 raise LeaseExpired("a rebalance began")
         except MQError as exc:
             log.info("kafka: %d records of %s not re-published: %s",
                      len(expired) + len(handoff), self.spec.name, redact(str(exc))[:300])
             self._put_back(expired, handoff)
-            return False
-        return True
+            return None
+        return meta
+
+    def _snapshot(self) -> object:
+        """The member's group snapshot (generation, member id) for a transaction. Taken
+        before ``_begin_move`` checks the revocation epoch: a snapshot of a later
+        generation (after a rejoin) always comes with a revocation, which that check sees.
+        A member without a generation is refused: the coordinator would accept its
+        transactional offset commit (the one for clients outside group management)."""
+        try:
+            meta, generation = self.group.group_meta()
+        except ClientError as exc:
+            raise native(exc, f"consumer of {self.spec.name!r}", self.d.url) from exc
+        if generation is not None and generation < 0:
+            raise LeaseExpired(f"consumer of {self.spec.name!r} is not a member of the group")
+        return meta
 
     def _put_back(self, expired: Collection[Rec], handoff: Sequence[Rec]) -> None:
         """Records whose copy was not written: the leases are kept (tried again shortly,
@@ -771,17 +799,6 @@ class KafkaSubscription(DriverSubscription):
                     self.suspended[rec.tp][1].insert(0, rec)
             self.cv.notify_all()
 
-    def _mark_moving(self, recs: Collection[Rec]) -> None:
-        """Before the fence that precedes writing copies of ``recs`` with one attempt more:
-        their offsets ride in the checkpoint as moving until marked done, so that if this
-        consumer freezes between the fence and the write and then wakes to finish it, the
-        partition's new owner delivers the originals one attempt above the copies."""
-        with self.lock:
-            for rec in recs:
-                part = self.parts.get(rec.tp)
-                if part is not None:
-                    part.moving.add(rec.offset)
-
     def _begin_move(self, epoch: int) -> bool:
         """After a successful ``_fence``: count a re-publish in flight, unless a revocation
         began since ``epoch`` (then write nothing). ``revoked`` waits for those counted."""
@@ -798,57 +815,30 @@ class KafkaSubscription(DriverSubscription):
 
     def _move(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> None:
         """Write the copies of expired leases (attempt + 1) and idle hand-offs (same
-        attempt), then commit their originals done.
-
-        A fence proves membership when it lands, not for the seconds a long run of
-        one-record writes can take (hundreds of hand-offs after a freeze, a write per
-        round trip: seconds on kafka-python). Frozen in the middle of such a run past its
-        session, a consumer woke and went on writing copies of records whose partition
-        the new owner was delivering too: two live copies of one message whose attempts
-        interleave or repeat. So the writes stop as soon as a revocation begins
-        (``epoch``) and fence again once ``heartbeat_interval_ms`` has passed since the
-        last fence; what is not written goes back (``_put_back``)."""
-        cover = self.d.opts["heartbeat_interval_ms"] / 1000
+        attempt) and settle their originals, a chunk per transaction (``_transfer``);
+        each chunk is fenced first. What is not written goes back (``_put_back``)."""
+        budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
         todo: deque[tuple[Rec, bool]] = deque(
             [(rec, True) for rec in expired] + [(rec, False) for rec in handoff])
         while todo:
-            if not self._fence_tick([r for r, lapsed in todo if lapsed],
-                                    [r for r, lapsed in todo if not lapsed], epoch):
+            meta = self._fence_tick([r for r, lapsed in todo if lapsed],
+                                    [r for r, lapsed in todo if not lapsed], epoch)
+            if meta is None:
                 return
-            fenced = sent = time.monotonic()
+            chunk = [todo.popleft() for _ in range(min(len(todo), _MOVE_CHUNK))]
             try:
-                while todo and self.epoch == epoch and time.monotonic() - fenced < cover:
-                    rec, lapsed = todo.popleft()
-                    if lapsed:
-                        self._lapse(rec)
-                    else:
-                        self._hand_off(rec)
-                    if time.monotonic() - sent >= _DONE_EVERY:
-                        # The originals written so far are done: a takeover skips them
-                        # (a stop between a write and this commit leaves a duplicate).
-                        self._send_checkpoints(None)
-                        sent = time.monotonic()
+                self._transfer([(rec, self._copy(rec, rec.n + 1 if lapsed else rec.n, 0.0,
+                                                 avoid_self=True, hop=not lapsed))
+                                for rec, lapsed in chunk], meta, budget)
+            except MQError as exc:
+                log.info("kafka: %d records of %s not re-published: %s", len(todo) + len(chunk),
+                         self.spec.name, redact(str(exc))[:300])
+                rest = [*chunk, *todo]
+                self._put_back([r for r, lapsed in rest if lapsed],
+                               [r for r, lapsed in rest if not lapsed])
+                return
             finally:
                 self._end_move()
-            self._send_checkpoints(None)  # the originals are done: a takeover skips them
-
-    def _lapse(self, rec: Rec) -> None:
-        """The lease ran out: redeliver with attempt + 1."""
-        try:
-            self._requeue(rec, rec.n + 1, 0.0, avoid_self=True)
-        except MQError:
-            self._relapse(rec, None, time.time() + 1.0)  # the next tick tries again
-
-    def _hand_off(self, rec: Rec) -> None:
-        try:
-            self._requeue(rec, rec.n, 0.0, avoid_self=True, hop=True)
-        except MQError:
-            with self.cv:  # stays here, ready again
-                rec.n += 1  # the write may have landed: never the same attempt twice
-                if rec.tp in self.parts:
-                    rec.since = time.monotonic()
-                    self.ready.append(rec)
-                    self.cv.notify_all()
 
     def _pick_handoff(self) -> list[Rec]:
         """Ready records nobody here asks for go to another consumer of the group.
@@ -1053,10 +1043,11 @@ class KafkaSubscription(DriverSubscription):
             return [Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0, rec.n + 1,
                              rec.published_at, token) for token, rec in picked]
 
-    def _fence_for(self, rec: Rec, move: bool = True) -> None:
+    def _fence_for(self, rec: Rec, move: bool = True) -> object:
         """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter: ``move``,
-        then ``_end_move`` after the write) or extends its lease: wait out a rebalance
-        within the lease; ``LeaseExpired`` when the partition is not ours any more."""
+        then ``_end_move`` after the write; returns the group snapshot for the
+        transaction, ``_snapshot``) or extends its lease: wait out a rebalance within the
+        lease; ``LeaseExpired`` when the partition is not ours any more."""
         end = time.monotonic() + min(max(0.5, rec.deadline - time.time()),
                                      self.d.opts["request_timeout_ms"] / 1000)
         while True:
@@ -1070,8 +1061,11 @@ class KafkaSubscription(DriverSubscription):
             left = end - time.monotonic()
             if owned and self.group.stable():  # (kafka-python's lock: not under ours)
                 self._fence(max(0.05, left), force={rec.tp})
-                if not move or self._begin_move(epoch):
-                    return
+                if not move:
+                    return None
+                meta = self._snapshot()
+                if self._begin_move(epoch):
+                    return meta
                 continue  # a revocation began: wait for the assignment
             if left <= 0:
                 raise LeaseExpired(f"message {rec.id}: group {self.spec.name!r} is "
@@ -1140,20 +1134,23 @@ class KafkaSubscription(DriverSubscription):
         rec = self._settle(receipt)
         try:
             # A consumer woken from a freeze (or that lost the partition) must not write a
-            # copy: the partition's new owner delivers the original with the same attempt.
-            self._mark_moving((rec,))
-            self._fence_for(rec)
+            # copy: the partition's new owner delivers the original with a higher attempt.
+            meta = self._fence_for(rec)
         except MQError:
             self._keep(rec, receipt)
             raise
         try:
-            self._requeue(rec, rec.n + 1, delay)
-        except MQError:
+            budget = min(max(0.5, rec.deadline - time.time()),
+                         self.d.opts["request_timeout_ms"] / 1000)
+            self._transfer([(rec, self._copy(rec, rec.n + 1, delay))], meta, budget)
+        except _Unknown:
             self._relapse(rec, receipt, rec.deadline)
+            raise
+        except MQError:
+            self._keep(rec, receipt)  # nothing was written
             raise
         finally:
             self._end_move()
-        self._send_checkpoints(None)  # the original is done: a takeover skips it
 
     def extend(self, receipt: Any, seconds: float) -> None:
         """Renew a lease. A longer deadline than the partition's checkpoint records is
@@ -1210,9 +1207,9 @@ class KafkaSubscription(DriverSubscription):
             headers.append((wire.KEY, rec.key.encode()))
         return headers
 
-    def _requeue(self, rec: Rec, n: int, delay: float, avoid_self: bool = False,
-                 hop: bool = False) -> None:
-        """Write the record to the group's retry topic, then mark the original done."""
+    def _copy(self, rec: Rec, n: int, delay: float, avoid_self: bool = False,
+              hop: bool = False) -> Outgoing:
+        """The record's copy for the group's retry topic, with attempt count ``n``."""
         headers = self._copy_headers(rec)
         headers.append((wire.ATTEMPT, str(n).encode()))
         headers.append((wire.HOPS, str(rec.hops + 1 if hop else 0).encode()))
@@ -1224,15 +1221,97 @@ class KafkaSubscription(DriverSubscription):
             others = self._other_retry_partitions()
             if others:
                 partition = random.choice(others)
+        return Outgoing(self.retry, rec.body, rec.key.encode() if rec.key is not None else None,
+                        headers, partition)
+
+    def _part(self, tp: TP) -> Part | None:
+        """(Under ``lock``.) The partition's state, also while suspended by a revocation."""
+        return self.parts.get(tp) or self.suspended.get(tp, (None, None))[0]
+
+    def _transfer(self, moves: Sequence[tuple[Rec, Outgoing]], meta: object,
+                  budget: float) -> None:
+        """Write the copies and commit the checkpoints that settle their originals in one
+        Kafka transaction, its offset commit fenced by the generation in ``meta``.
+
+        The lease rule needs this atomicity: a copy written after its original was handed
+        out again by a new owner of the partition (a holder frozen between its fence and
+        its write, evicted, then woken) carries a lower attempt than that delivery and is
+        delivered after it. Here the zombie's TxnOffsetCommit is refused (its generation
+        is over), its transaction aborted and its copy never read (``read_committed``);
+        a new owner reads checkpoints with require_stable, so it waits while such a
+        transaction is open and then sees the original settled exactly when the copy is
+        visible. Held under ``commit_lock``, after every earlier commit of ours landed: a
+        plain commit appended after the transaction's offsets would override them with
+        a checkpoint in which the originals are not settled.
+
+        Raises ``LeaseExpired`` (fenced: nothing written), ``Timeout`` and the like
+        (nothing written), ``_Unknown`` (the outcome could not be read back).
+        """
+        end = time.monotonic() + budget
+        if not self.commit_lock.acquire(timeout=max(0.05, budget)):
+            raise Timeout(f"commits of {self.spec.name!r} busy for {budget:.2f}s")
         try:
-            self.d.send_one(Outgoing(self.retry, rec.body,
-                                     rec.key.encode() if rec.key is not None else None,
-                                     headers, partition))
+            last = self.last_sent
+            if last is not None:
+                err = last.wait(max(0.05, end - time.monotonic()))
+                if err is not None and err.kind is Kind.TIMEOUT:
+                    raise Timeout(f"commit of {self.spec.name!r} not confirmed in time")
+            with self.lock:
+                offsets: dict[TP, tuple[int, str]] = {}
+                for tp in {rec.tp for rec, _ in moves}:
+                    part = self._part(tp)
+                    if part is None:
+                        raise LeaseExpired(f"partition {tp} of {self.spec.name!r} moved")
+                    point, ckpt = part.checkpoint(
+                        self.ckpt_limit, settle={rec.offset for rec, _ in moves if rec.tp == tp})
+                    if point is None:
+                        raise LeaseExpired(f"partition {tp} of {self.spec.name!r} not read")
+                    offsets[tp] = (point, ckpt)
+            try:
+                if self.mover is None:
+                    self.mover = self.d.client.mover(self.d.settings, self.txn_id)
+                self.mover.move([out for _, out in moves], offsets, meta,
+                                max(0.05, end - time.monotonic()))
+            except ClientError as exc:
+                if exc.kind is Kind.FATAL and not exc.doubt:
+                    self._drop_mover()
+                if not exc.doubt or not self._landed(offsets, exc):
+                    if exc.kind is Kind.FENCED:
+                        raise LeaseExpired(f"consumer of {self.spec.name!r} is no longer a "
+                                           f"member of the current generation: {exc.native}"
+                                           ) from exc
+                    raise native(exc, f"re-publish of {self.spec.name!r} failed",
+                                 self.d.url) from exc
+            with self.lock:
+                for rec, _ in moves:
+                    part = self._part(rec.tp)
+                    if part is not None:
+                        part.done.add(rec.offset)
+                for tp, sent in offsets.items():
+                    part = self._part(tp)
+                    if part is not None:
+                        part.committed, part.meta = sent
+                        part.confirmed, part.sent_meta = sent
+        finally:
+            self.commit_lock.release()
+
+    def _landed(self, offsets: Mapping[TP, tuple[int, str]], failure: ClientError) -> bool:
+        """Whether a transaction whose outcome is unknown committed: its checkpoints are
+        the committed ones (the mover was replaced by one with the same transactional.id,
+        which completed it; stable offsets are read). ``_Unknown`` when they cannot be
+        read."""
+        try:
+            found = self.d.committed(self.spec.name, offsets)
         except MQError as exc:
-            log.warning("kafka: could not requeue %s (retried): %s", rec.id,
-                        redact(str(exc))[:300])
-            raise
-        self._done(rec)
+            log.warning("kafka: outcome of a re-publish of %s unknown (%s; then %s)",
+                        self.spec.name, failure, exc)
+            raise _Unknown(f"re-publish of {self.spec.name!r}: outcome unknown") from exc
+        return all(found.get(tp) == sent for tp, sent in offsets.items())
+
+    def _drop_mover(self) -> None:
+        mover, self.mover = self.mover, None
+        if mover is not None:
+            mover.close(0.5)
 
     def close(self) -> None:
         with self.cv:
@@ -1253,3 +1332,5 @@ class KafkaSubscription(DriverSubscription):
         self.group_stopping = True
         if self.group_thread is not me:
             self.group_thread.join(30)
+        with self.commit_lock:
+            self._drop_mover()
