@@ -817,7 +817,7 @@ class KafkaSubscription(DriverSubscription):
         """Write the copies of expired leases (attempt + 1) and idle hand-offs (same
         attempt) and settle their originals, a chunk per transaction (``_transfer``);
         each chunk is fenced first. What is not written goes back (``_put_back``)."""
-        budget = min(max(0.5, self.spec.lease / 4), self.d.opts["request_timeout_ms"] / 1000)
+        budget = self.d.opts["request_timeout_ms"] / 1000
         todo: deque[tuple[Rec, bool]] = deque(
             [(rec, True) for rec in expired] + [(rec, False) for rec in handoff])
         while todo:
@@ -1140,9 +1140,10 @@ class KafkaSubscription(DriverSubscription):
             self._keep(rec, receipt)
             raise
         try:
-            budget = min(max(0.5, rec.deadline - time.time()),
-                         self.d.opts["request_timeout_ms"] / 1000)
-            self._transfer([(rec, self._copy(rec, rec.n + 1, delay))], meta, budget)
+            # (a settle made before the deadline takes effect: the transaction may end
+            # after it, as the write did before; it is fenced all the same)
+            self._transfer([(rec, self._copy(rec, rec.n + 1, delay))], meta,
+                           self.d.opts["request_timeout_ms"] / 1000)
         except _Unknown:
             self._relapse(rec, receipt, rec.deadline)
             raise
