@@ -857,6 +857,10 @@ class _Mover(Mover):
         cfg.update({
             "transactional.id": transactional_id,
             "transaction.timeout.ms": TXN_TIMEOUT_MS,
+            # A transaction right after another is answered CONCURRENT_TRANSACTIONS until
+            # the broker wrote the last one's markers: ask again soon (100 ms by default
+            # made every other nack take 100 ms).
+            "retry.backoff.ms": 10,
             "acks": "all",
             "enable.idempotence": True,
             "linger.ms": 0,

@@ -480,6 +480,8 @@ class _Mover(Mover):
                 **_config(self.s), acks="all", enable_idempotence=True, linger_ms=0,
                 max_block_ms=self.s.request_timeout_ms, max_request_size=1_048_576,
                 transactional_id=self.tid, transaction_timeout_ms=TXN_TIMEOUT_MS,
+                # (see ck: CONCURRENT_TRANSACTIONS right after a commit; asked again soon)
+                retry_backoff_ms=10,
                 bootstrap_timeout_ms=int(self.s.connect_timeout * 1000)))
         except Exception as exc:
             raise classify(exc) from exc
