@@ -158,8 +158,27 @@ def test_checkpoint_of_a_partition() -> None:
     assert _Checkpoint.decode(meta) == _Checkpoint(14, 1, 1700000005.0, ((13, 13),))
 
 
+def test_the_checkpoint_a_transaction_commits_changes_nothing() -> None:
+    """``checkpoint(settle=...)``: the checkpoint committed in the transaction that writes
+    the copies of ``settle`` (their originals settled); the partition's own state stays as
+    it was until that transaction commits (it may be aborted)."""
+    part = _part(10, _Checkpoint(12, 0, 1700000005.0))
+    for offset in range(10, 16):
+        part.fetched(offset)
+    part.done.update({10, 13})
+    part.mark = 16
+    before = part.checkpoint()
+    point, meta = part.checkpoint(settle={11, 15})
+    assert point == 12  # 10 settled, 11 settled by the transaction, 12 still leased
+    assert _Checkpoint.decode(meta).done == ((13, 13), (15, 15))
+    assert part.checkpoint() == before and part.done == {13}  # (10 left the order)
+    part.done.update({12, 14})
+    assert part.checkpoint(settle={11, 15})[0] == 16
+
+
 def test_a_copy_possibly_written_by_a_frozen_holder_never_shares_its_attempt() -> None:
-    """Owner 1 handed out offset 12 (attempt 1), its lease ran out, it committed the fence
+    """Checkpoints written before re-publishes were transactions list offsets as moving:
+    owner 1 handed out offset 12 (attempt 1), its lease ran out, it committed the fence
     listing 12 as moving, then froze before (or after) writing the copy with attempt 2, and
     woke after owner 2 took over. Owner 2 delivers the original with attempt 3, above the
     copy's, and keeps 12 as moving for owner 3, who goes higher still; a chaos run once saw
