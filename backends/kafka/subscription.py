@@ -833,6 +833,10 @@ class KafkaSubscription(DriverSubscription):
             except MQError as exc:
                 log.info("kafka: %d records of %s not re-published: %s", len(todo) + len(chunk),
                          self.spec.name, redact(str(exc))[:300])
+                if isinstance(exc, _Unknown):
+                    with self.lock:  # the copies may be there: never their attempt again
+                        for rec, _ in chunk:
+                            rec.n += 1
                 rest = [*chunk, *todo]
                 self._put_back([r for r, lapsed in rest if lapsed],
                                [r for r, lapsed in rest if not lapsed])
