@@ -10,12 +10,15 @@ lower attempt, it would make the attempts go back (CI: ``[1, 6, 2]`` in the chao
 
 Deterministic: the worker stops itself (SIGSTOP) at that exact point (``zombie_worker.py``).
 One retry partition (``partitions=1``): the worker owns the only slot, this test's consumer
-waits as a standby and takes over once the frozen worker is evicted.
+waits as a standby and takes over once the frozen worker is evicted. ``commit``: frozen
+inside the re-publish transaction (offsets sent, not committed) and woken while the
+standby's takeover waits for that transaction.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +37,7 @@ def _url(rel_url: str) -> str:
 
 
 @pytest.mark.backends("kafka")
-@pytest.mark.parametrize("mode", ["nack", "lapse"])
+@pytest.mark.parametrize("mode", ["nack", "lapse", "commit"])
 def test_zombie_copy_never_goes_back(backend: str, rel_url: str, mode: str,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     url = _url(rel_url)
@@ -56,6 +59,12 @@ def test_zombie_copy_never_goes_back(backend: str, rel_url: str, mode: str,
             frozen_at = time.monotonic()
             recv = next(e for e in holder.events() if e[0] == "RECV")
             seen.append((float(recv[3]), int(recv[2]), "holder"))
+            if mode == "commit":
+                # Frozen with its transaction open: the standby's takeover waits for it
+                # (require_stable) and must see the outcome, whichever it is. Woken before
+                # the transaction times out, the holder commits it.
+                timer = threading.Timer(9.0, holder.thaw)
+                timer.start()
             with mq.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
                 # The frozen holder is evicted after its session (6 s); its message
                 # comes back here with a higher attempt.
@@ -93,6 +102,8 @@ def test_zombie_copy_never_goes_back(backend: str, rel_url: str, mode: str,
         f"holder: {holder.events()}")
     if mode == "nack":  # refused: its transaction was fenced, nothing was written
         assert ["EXPIRED", mid] in holder.events(), holder.events()
+    if mode == "commit" and ["NACKED", mid] in holder.events():
+        assert attempts == [1, 2], seen  # the copy, and never the original again
     for _, attempt, _ in seen:
         ledger.deliver(mid, attempt, digest(body_for(mid)))
     assert not ledger.problems(), ledger.problems()

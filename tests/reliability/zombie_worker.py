@@ -7,7 +7,9 @@ of the receive call), then makes the Kafka driver re-publish it: ``nack`` settle
 ``nack()``, ``lapse`` lets its lease run out (the data thread re-publishes it). The driver
 is patched so that the process SIGSTOPs itself right after the fence that precedes the
 re-publish, before the copy is written (``FENCED`` is printed first): the window a holder
-frozen between its fenced checkpoint commit and its write falls into. After the parent's
+frozen between its fenced checkpoint commit and its write falls into. ``commit`` nacks
+too, and stops inside the re-publish transaction instead: its offsets sent, before its
+commit (a client-level patch of both clients' transaction commit). After the parent's
 SIGCONT it finishes what it was doing; ``nack`` prints ``NACKED`` or ``EXPIRED``; then it
 waits for a line on stdin and closes (it never receives again).
 """
@@ -48,8 +50,42 @@ def freeze_after(name: str, fenced: Any) -> None:
     setattr(KafkaSubscription, name, wrapper)
 
 
+def freeze_in_commit() -> None:
+    """Stop this process inside the re-publish transaction, after its offsets were sent
+    (TxnOffsetCommit accepted: pending in the group coordinator) and before its commit."""
+    armed = [True]
+
+    def freeze() -> None:
+        if armed[0]:
+            armed[0] = False
+            out("FENCED", "commit", repr(time.monotonic()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(0.01)
+            out("WOKEN", repr(time.monotonic()))
+
+    import confluent_kafka
+    from kafka.producer.transaction_manager import TransactionManager
+
+    begin_commit = TransactionManager.begin_commit
+
+    def kp_commit(self: Any) -> Any:
+        freeze()
+        return begin_commit(self)
+
+    TransactionManager.begin_commit = kp_commit
+
+    class Producer(confluent_kafka.Producer):
+        def commit_transaction(self, *args: Any) -> Any:
+            freeze()
+            return super().commit_transaction(*args)
+
+    confluent_kafka.Producer = Producer  # type: ignore[misc]
+
+
 def main(url: str, group: str, pattern: str, lease: float, mode: str) -> None:
-    if mode == "nack":
+    if mode == "commit":
+        freeze_in_commit()
+    elif mode == "nack":
         freeze_after("_fence_for", lambda result: True)  # returns only when fenced
     else:
         # (True before the re-publishes became transactions; the group snapshot since)
@@ -64,7 +100,7 @@ def main(url: str, group: str, pattern: str, lease: float, mode: str) -> None:
                 break
         msg = msgs[0]
         out("RECV", msg.id, msg.attempt, repr(started))
-        if mode == "nack":
+        if mode in ("nack", "commit"):
             try:
                 msg.nack()
             except mqabstract.LeaseExpired:
