@@ -109,6 +109,57 @@ def test_topic_regex_agrees_with_portable_matcher(pattern: str, topic: str) -> N
     assert bool(regex.match(kafka_topic_name(topic, "pre."))) == topic_matches(pattern, topic)
 
 
+@pytest.mark.parametrize("prefix", ["", "pre."])
+@pytest.mark.parametrize("pattern, mine", [("#", "x_y"), ("*", "x_y"), ("#.offsets", "x_y.offsets"),
+                                           ("#.state", "a.x_y.state"), ("a.#", "a._b")])
+def test_no_wildcard_matches_internal_topics(pattern: str, mine: str, prefix: str) -> None:
+    """Kafka's own topics and the driver's internal ones are never a wildcard's: each of
+    these matched ``#`` before (a group on ``#`` received __consumer_offsets records),
+    while a user topic with ``_`` in its words (mapped to ``-u``) still matches."""
+    regex = re.compile(topic_regex(pattern, prefix))
+    for name in ("__consumer_offsets", "__transaction_state", "__share_group_state",
+                 "__cluster_metadata", "__mqa..r..g", "__mqa..groups", "_a", "a_b",
+                 f"{prefix}__consumer_offsets", f"{prefix}a._x"):
+        assert not regex.match(name), name
+    assert regex.match(kafka_topic_name(mine, prefix))
+
+
+def test_hash_group_receives_no_internal_records(url, mq, names) -> None:
+    """A ``#`` group next to a group that commits offsets (records into Kafka's
+    ``__consumer_offsets`` after the declaration) receives user messages only."""
+    group, root = names
+    tap = f"{group}-tap"
+    sub = mq.subscribe(tap, "#", lease=30)
+    try:
+        with mq.subscribe(group, f"{root}.#") as busy:
+            for i in range(20):  # each ack is an offset commit of the busy group
+                mq.publish(f"{root}.work", f"w{i}".encode())
+            done = 0
+            deadline = time.monotonic() + 30
+            while done < 20 and time.monotonic() < deadline:
+                got = busy.receive(5, 1.0)
+                for msg in got:
+                    msg.ack()
+                done += len(got)
+            assert done == 20
+        mid = mq.publish(f"{root}.mine", b"mine")
+        seen: dict[str, str] = {}
+        deadline = time.monotonic() + 30
+        while mid not in seen and time.monotonic() < deadline:
+            for msg in sub.receive(100, 1.0):
+                seen[msg.id] = msg.topic
+                msg.ack()
+        assert mid in seen, "the tap never received the message published to it"
+        for msg in sub.receive(100, 1.0):  # whatever else was already there
+            seen[msg.id] = msg.topic
+            msg.ack()
+        internal = sorted({t for t in seen.values() if t.startswith("__") or ".." in t})
+        assert not internal, f"a # group received records of internal topics: {internal}"
+    finally:
+        sub.close()
+        mq.delete_group(tap)
+
+
 def test_long_topic_names_are_hashed_within_kafka_limit() -> None:
     topic = ".".join(["w" * 60] * 6)
     name = kafka_topic_name(topic)
