@@ -6,6 +6,7 @@ process through the same store, so "missing" means lost, not late."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sqlite3
@@ -40,7 +41,7 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
     count, kills = COUNT[kind(backend)], KILLS[kind(backend)]
     span = max(2, count // (kills + WORKERS) // 2)  # the Nth handled message dies
     store = tmp_path / "dedupe.db"
-    with sqlite3.connect(store) as db:
+    with contextlib.closing(sqlite3.connect(store)) as db, db:
         db.execute("CREATE TABLE effects (id TEXT, attempt INT, pid INT)")
     idle = QUIET[kind(backend)] + LEASE
     started = time.monotonic()
