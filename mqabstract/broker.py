@@ -59,6 +59,7 @@ from .model import (
     OutgoingMessage,
     utc,
 )
+from .options import check_options
 from .requests import REPLY_PREFIX, ReplyRoute
 from .typed import Model
 from .url import BrokerURL, redact
@@ -83,6 +84,10 @@ def _ttl_ended(text: str, now: float) -> bool:
     except ValueError:
         return False
 
+
+#: The keywords ``declare`` / ``subscribe`` take themselves (named in an unknown-option
+#: error beside the driver's ``GROUP_OPTIONS``).
+_GROUP_KEYWORDS = ("expired", "lease", "max_attempts", "model", "ordered", "priority")
 
 class _IdSource:
     """Unique message ids: 80 random bits per process + a 48-bit counter, as 32 hex chars.
@@ -1317,8 +1322,10 @@ class Broker:
             self._require(Feature.ORDERING)
         if priority:
             self._require(Feature.PRIORITY)
+        checked = check_options(options, self._driver.GROUP_OPTIONS,
+                                f"{self._driver.name} group option", also=_GROUP_KEYWORDS)
         return GroupSpec(group, pattern, max_attempts, lease, bool(ordered), bool(priority),
-                         dict(options), expired)
+                         checked, expired)
 
     def declare(
         self,
