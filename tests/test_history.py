@@ -146,8 +146,8 @@ def _second_holder_early() -> History:
 
 
 def _second_holder_frozen_holder() -> History:
-    # a frozen holder keeps its lease: "e" back to w2 at 1.9 is inside w3's lease (2.0)
-    return _replace_delivery(clean(), "e", 2, start=1.9, deadline=3.9, returned=2.0)
+    # a frozen holder keeps its lease: "e" back to w2 by 1.95 is inside w3's lease (2.0)
+    return _replace_delivery(clean(), "e", 2, start=1.9, deadline=3.9, returned=1.95)
 
 
 def _release_late() -> History:
@@ -244,7 +244,7 @@ def _second_holder_at_deadline() -> History:
     h = _drop_settle(_drop_settle(clean(), "a", ACKED), "a", ACK_STARTED)
     h.settle("a", "w1", LEASE_EXPIRED, 2.5)  # w1 was slow: its lease ran out
     h.faults[0] = dataclasses.replace(h.faults[0], at=2.6)  # (killed only after that)
-    h.deliver("a", 2, "w2", 2.0 - TOLERANCE / 2, 4.0, "dig-a", returned=2.05)
+    h.deliver("a", 2, "w2", 1.5, 3.5, "dig-a", returned=2.0 - TOLERANCE / 2)
     h.settle("a", "w2", ACKED, 2.1)
     return h
 
@@ -254,6 +254,11 @@ def _second_holder_right_after_settle() -> History:
     h.deliver("a", 2, "w2", 0.15, 2.15, "dig-a", returned=0.25)
     h.settle("a", "w2", ACKED, 0.26)
     return h
+
+
+def _second_holder_long_poll() -> History:
+    # w2's receive call started before w3's deadline and returned "e" only after it
+    return _replace_delivery(clean(), "e", 2, start=1.8, deadline=3.8, returned=2.1)
 
 
 def _second_holder_after_kill() -> History:
@@ -310,6 +315,7 @@ BOUNDARIES: dict[str, Callable[[], History]] = {
     "second-holder/within-tolerance-of-deadline": _second_holder_at_deadline,
     "second-holder/settled-during-receive": _second_holder_right_after_settle,
     "second-holder/holder-killed": _second_holder_after_kill,
+    "second-holder/long-poll-returned-after-deadline": _second_holder_long_poll,
     "release/within-tolerance-of-bound": _release_at_bound,
     "release/waits-for-a-receiver": _release_waits_for_a_receiver,
     "release/thawed-before-deadline": _release_short_freeze,

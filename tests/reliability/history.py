@@ -26,13 +26,17 @@ Rules:
     recorded, confirmed or maybe) is more than one message on the broker: its attempts may
     start again at 1 once per extra copy.
 ``second-holder``
-    No second holder while an earlier holder's lease is valid: a delivery must not start
-    before the previous delivery's lease deadline unless that previous delivery was
-    settled (acked, nacked, dead-lettered) before the receive call that returned the next
-    one had returned, or its holder was gone by then (killed, or its session with the
-    broker lost: a broker restart or a cut connection ends every lease it granted). A
-    frozen holder is not gone: its lease stays valid until its deadline. Ids published more
-    than once are not judged (two copies are two messages, each with its own lease).
+    No second holder while an earlier holder's lease is valid: a delivery must not be
+    handed over before the previous delivery's lease deadline unless that previous
+    delivery was settled (acked, nacked, dead-lettered) before, or its holder was gone by
+    then (killed, or its session with the broker lost: a broker restart or a cut connection
+    ends every lease it granted). A frozen holder is not gone: its lease stays valid until
+    its deadline. The hand-over happened between the start of the receive call and its
+    return, so "before the deadline" means: the receive call had returned before it (a
+    call that started before the deadline and waited for the message, as a long poll
+    does, is right); a delivery whose return time is unknown is judged by its start.
+    Ids published more than once are not judged (two copies are two messages, each with
+    its own lease).
 ``release``
     A frozen or killed holder's messages are delivered again in time: for every delivery
     whose holder was killed, or frozen across its lease deadline, before settling it, the
@@ -56,6 +60,7 @@ Where a scenario cannot supply what a rule needs, it passes ``skip={rule: why}``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -96,7 +101,9 @@ class Delivery:
     start: float  #: start of the receive call that returned it (the lease origin)
     deadline: float  #: its lease deadline
     digest: str
-    returned: float | None = None  #: when that receive call returned (None: unknown)
+    #: when that receive call had returned (at the latest: a later reading is fine; None:
+    #: unknown, then ``start`` stands for it)
+    returned: float | None = None
     seq: int = 0  #: recording order (breaks ties of equal starts)
 
 
@@ -185,6 +192,10 @@ class History:
         if self.effects is None:
             self.effects = {}
         self.effects[mid] = self.effects.get(mid, 0) + count
+
+    def to_json(self) -> dict[str, object]:
+        """The whole history as JSON-able data (for a failed scenario's post-mortem)."""
+        return dataclasses.asdict(self)
 
     # -- views -------------------------------------------------------------------------
     def confirmed(self) -> dict[str, str]:
@@ -312,17 +323,18 @@ def rule_second_holder(h: History) -> list[str]:
         if copies.get(mid, 0) > 1:
             continue  # two copies, two leases: see the module docstring
         for prev, nxt in itertools.pairwise(ds):
-            if nxt.start >= prev.deadline - TOLERANCE:
+            handed = nxt.returned if nxt.returned is not None else nxt.start
+            if handed >= prev.deadline - TOLERANCE:
                 continue
-            handed = (nxt.returned if nxt.returned is not None else nxt.start) + TOLERANCE
+            handed += TOLERANCE
             settled = any(prev.start - TOLERANCE <= s.t <= handed
                           for s in settles[(mid, prev.holder)])
             ended = any(prev.start - TOLERANCE <= t <= handed for t in gone[prev.holder])
             if not (settled or ended):
                 bad.append(f"{mid}: attempt {prev.attempt} held by {prev.holder} until "
                            f"{prev.deadline:.3f}, attempt {nxt.attempt} to {nxt.holder} "
-                           f"received from {nxt.start:.3f} (returned {_t(nxt.returned)}), "
-                           f"{prev.deadline - nxt.start:.3f}s early")
+                           f"by a receive call {nxt.start:.3f}..{_t(nxt.returned)}, "
+                           f"{prev.deadline - handed + TOLERANCE:.3f}s early")
     if not bad:
         return []
     return [f"[second-holder] delivered again while an earlier holder's lease was valid and "
