@@ -53,7 +53,8 @@ def _emit(ledger: Ledger, reporter: Reporter, *, release_margin: float | None,
     rules this scenario cannot judge, with why), report its counts (also when it is about
     to fail) and return the violations."""
     problems = ledger.problems(release_margin=release_margin, skip=skip)
-    reporter.emit(**row, **ledger.summary(), problems=len(problems),
+    counts = {**ledger.summary(), **row}  # (a scenario may count some itself)
+    reporter.emit(**counts, problems=len(problems),
                   **({"skipped_rules": sorted(skip)} if skip else {}))
     return problems
 

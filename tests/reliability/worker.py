@@ -20,7 +20,8 @@
         per id or never). KILL is ``none``, ``inside:N`` (SIGKILL inside the Nth handler's
         transaction: rolled back) or ``after:N`` (SIGKILL right after the Nth handler's
         transaction committed, printing ``KILLED id``: between its success and the ack).
-        Each message its handler gets prints ``RECV id attempt - origin deadline -``.
+        Each message its handler gets prints a ``RECV`` line (``returned``: the time the
+        handler started, by which its receive call had returned).
         Prints ``STATS received acked duplicates`` when it exits after IDLE seconds
         without messages.
     worker.py publish URL TOPIC COUNT PREFIX SEED
@@ -61,13 +62,12 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def recv_line(msg: mqabstract.Message, lease: float, returned: float | None,
-              with_digest: bool = True) -> None:
+def recv_line(msg: mqabstract.Message, lease: float, returned: float) -> None:
     """``RECV id attempt digest origin deadline returned``: the deadline is fixed at receive
     (now + what is left of the lease), even if this process is frozen before printing."""
     deadline = time.monotonic() + msg.lease_remaining
-    out("RECV", msg.id, msg.attempt, digest(msg.body) if with_digest else "-",
-        repr(deadline - lease), repr(deadline), "-" if returned is None else repr(returned))
+    out("RECV", msg.id, msg.attempt, digest(msg.body), repr(deadline - lease), repr(deadline),
+        repr(returned))
 
 
 def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
@@ -126,7 +126,7 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
     def handler(msg: mqabstract.Message) -> None:
         nonlocal handled
         handled += 1
-        recv_line(msg, lease, None, with_digest=False)
+        recv_line(msg, lease, time.monotonic())  # (its receive had returned by now)
         with store.transaction(msg) as db:
             db.execute("INSERT INTO effects VALUES (?, ?, ?)", (msg.id, msg.attempt, os.getpid()))
             if phase == "inside" and handled == kill_at:
