@@ -470,6 +470,8 @@ class Publisher(threading.Thread):
         self.errors: list[str] = []
         self.untyped: list[str] = []
         self.retried: set[str] = set()
+        #: one entry per publish call that raised: a copy of that id may be on the broker
+        self.failed: list[str] = []
         self.last_error = ""
 
     def run(self) -> None:
@@ -482,10 +484,12 @@ class Publisher(threading.Thread):
                 self.errors.append(type(exc).__name__)
                 self.last_error = str(exc)[:300]
                 self.retried.add(mid)
+                self.failed.append(mid)
                 self.stop.wait(0.2)
                 continue  # same id again
             except Exception as exc:  # a raw client exception leaked: a bug
                 self.untyped.append(f"{type(exc).__name__}: {exc}")
+                self.failed.append(mid)
                 self.stop.wait(0.2)
                 continue
             self.confirmed.append((mid, time.monotonic()))
