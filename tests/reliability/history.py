@@ -43,7 +43,9 @@ Rules:
     next delivery of that id starts no later than ``max(lease deadline, first moment
     another consumer was receiving) + release_margin`` (the backend's declared
     ``Capabilities.release_margin``). "Receiving" is a recorded receive window of another
-    holder, minus its freezes and anything after its death.
+    holder (a receive call: from its start to its return; or a span in which it looped on
+    receive), minus its freezes and anything after its death; the receive call of each
+    delivery counts too. A consumer busy with its own batch is not receiving.
 ``dead-letters``
     Dead letters caused by running out of attempts (lease expiries or nacks on the final
     attempt, or whatever reason the scenario marks as exhausted) carry exactly
@@ -125,7 +127,8 @@ class Fault:
 
 @dataclass(frozen=True)
 class Window:
-    """A holder was receiving (looping on receive) from ``start`` to ``end``."""
+    """A holder was receiving from ``start`` to ``end``: one receive call, or a span in
+    which it looped on receive (where the calls themselves are not recorded)."""
 
     holder: str
     start: float
@@ -347,7 +350,8 @@ def _available(h: History, holder: str, t: float) -> float | None:
     best: float | None = None
     deaths = h._deaths()
     spans = [(w.holder, w.start, math.inf if w.end is None else w.end) for w in h.windows]
-    spans += [(d.holder, d.start, d.start) for d in h.deliveries]
+    spans += [(d.holder, d.start, d.start if d.returned is None else d.returned)
+              for d in h.deliveries]
     for who, a, b in spans:
         if who == holder:
             continue

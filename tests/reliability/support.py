@@ -132,6 +132,18 @@ class Ledger:
         self.deliver(msg.id, msg.attempt, digest(msg.body), holder=holder,
                      start=deadline - sub.spec.lease, deadline=deadline, returned=returned)
 
+    def receive(self, sub: mqabstract.Subscription, max_messages: int, wait: float,
+                holder: str = "here") -> list[mqabstract.Message]:
+        """``sub.receive`` in this process, recorded: the call as a receive window of
+        ``holder``, each message it returned as a delivery."""
+        since = time.monotonic()
+        got = sub.receive(max_messages, wait)
+        returned = time.monotonic()
+        self.history.receiving(holder, since, returned)
+        for msg in got:
+            self.received(msg, sub, returned, holder)
+        return got
+
     def ack(self, mid: str, holder: str = "here", t: float | None = None) -> None:
         """An ack of ``mid`` that started at ``t`` (default: now) returned."""
         self.settle(mid, ACKED, holder, t)
@@ -346,18 +358,13 @@ def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, l
         arrived: dict[str, tuple[float, int]] = {}
         with mq.subscribe(group, pattern, lease=lease, max_attempts=50) as sub:
             limit = time.monotonic() + lease + margin + 60
-            since = time.monotonic()
             while set(ledger.expected) - ledger.acked and time.monotonic() < limit:
-                got = sub.receive(100, 0.2)
-                returned = time.monotonic()
-                for msg in got:
-                    ledger.received(msg, sub, returned)
+                for msg in ledger.receive(sub, 100, 0.2):
                     if msg.id in held:
                         arrived.setdefault(msg.id, (time.monotonic(), msg.attempt))
                     at = time.monotonic()
                     msg.ack()
                     ledger.ack(msg.id, t=at)
-            ledger.history.receiving("here", since, time.monotonic())
             time.sleep(max(0.0, frozen_at + frozen_for - time.monotonic()))
             frozen_s = time.monotonic() - frozen_at
             holder.thaw()
@@ -375,14 +382,16 @@ def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, l
 def feed(ledger: Ledger, *workers: Worker) -> None:
     """Add worker processes' lines to the ledger's history (after they exited): their
     deliveries (holder ``pid<N>``, lease origin and deadline), settles, the window in which
-    each was receiving (``READY`` to ``HELD`` / ``DONE`` / its death), and the kills (by
-    this process, or its own ``KILL`` line) and freezes done to it."""
+    each was receiving (its ``CALL`` lines: each receive call; without them ``READY`` to
+    ``HELD`` / ``DONE`` / its death), and the kills (by this process, or its own ``KILL``
+    line) and freezes done to it."""
     history = ledger.history
     for w in workers:
         who = w.holder
         began: float | None = None
         end: float | None = None
         died = w.killed_at
+        calls = False
         ack_from: dict[str, float] = {}
         for ev in w.events():
             tag = ev[0]
@@ -399,6 +408,9 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
                 ledger.settle(ev[1], ACKED, who, ack_from.get(ev[1], float(ev[2])))
             elif tag == "EXPIRED":
                 ledger.settle(ev[1], LEASE_EXPIRED, who, float(ev[2]))
+            elif tag == "CALL":
+                calls = True
+                history.receiving(who, float(ev[1]), float(ev[2]))
             elif tag == "KILL":
                 died = float(ev[1])
             elif tag in ("DONE", "HELD") and len(ev) > 1 and end is None:
@@ -409,7 +421,7 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
         for t0, t1 in w.freezes:
             assert t0 is not None
             history.frozen(who, t0, t1)
-        if began is not None:
+        if began is not None and not calls:
             history.receiving(who, began, end)
 
 
@@ -419,18 +431,9 @@ def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: flo
     """Receive and ack until ``want`` is finished and nothing came for ``quiet`` seconds.
 
     With *errors*, a retryable MQError of receive (a broker coming back) is recorded there
-    and retried; any other error propagates. The time spent here is a receive window of
-    ``holder`` in the history.
+    and retried; any other error propagates. Receive calls and deliveries are recorded as
+    ``holder``'s.
     """
-    since = time.monotonic()
-    try:
-        _drain(sub, ledger, quiet, limit, want, errors, holder)
-    finally:
-        ledger.history.receiving(holder, since, time.monotonic())
-
-
-def _drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: float,
-           want: set[str] | None, errors: list[str] | None, holder: str) -> None:
     deadline = time.monotonic() + limit
     last = time.monotonic()
     while time.monotonic() < deadline:
@@ -438,17 +441,15 @@ def _drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: fl
         if done and time.monotonic() - last >= quiet:
             return
         try:
-            got = sub.receive(20, 0.5)
+            got = ledger.receive(sub, 20, 0.5, holder)
         except mqabstract.MQError as exc:
             if errors is None or not exc.retryable:
                 raise
             errors.append(type(exc).__name__)
             time.sleep(0.3)
             continue
-        returned = time.monotonic()
         for msg in got:
             last = time.monotonic()
-            ledger.received(msg, sub, returned, holder)
             at = time.monotonic()
             try:
                 msg.ack()
@@ -507,15 +508,9 @@ def hold_some(mq: mqabstract.Broker, sub: mqabstract.Subscription, topic: str, t
     for mid in before:
         ledger.confirm(mid, body_for(mid))
     held: list[mqabstract.Message] = []
-    since = time.monotonic()
-    deadline = since + 30
+    deadline = time.monotonic() + 30
     while len(held) < 6 and time.monotonic() < deadline:
-        got = sub.receive(6 - len(held), 1.0)
-        returned = time.monotonic()
-        for msg in got:
-            ledger.received(msg, sub, returned)
-        held += got
-    ledger.history.receiving("here", since, time.monotonic())
+        held += ledger.receive(sub, 6 - len(held), 1.0)
     for n, msg in enumerate(held):
         if n % 2 == 0:
             at = time.monotonic()

@@ -169,15 +169,11 @@ def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> N
                     topic, body_for(f"{tok}-{i}"), id=f"{tok}-{i}") for i in range(20)]):
                 ledger.confirm(mid, body_for(mid))
             taken: list[mqabstract.Message] = []
-            since = time.monotonic()
-            deadline = since + 30
+            deadline = time.monotonic() + 30
             while len(taken) < 10 and time.monotonic() < deadline:
                 # Every other one is acked as it comes, within its lease (collecting all ten
                 # first could outlast the 2 s lease of the first ones on a slow broker).
-                got = hung.receive(10 - len(taken), 1.0)
-                returned = time.monotonic()
-                for msg in got:
-                    ledger.received(msg, hung, returned, holder="hung")
+                for msg in ledger.receive(hung, 10 - len(taken), 1.0, holder="hung"):
                     if len(taken) % 2 == 0:
                         at = time.monotonic()
                         msg.ack()
@@ -186,7 +182,6 @@ def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> N
             assert taken, "the first consumer got nothing"
             # ``hung`` is never used again: its leases must run out. In the history it is
             # a holder frozen from now to the end.
-            ledger.history.receiving("hung", since, time.monotonic())
             ledger.history.frozen("hung", time.monotonic(), None)
             with other.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
                 drain(sub, ledger, QUIET[kind(backend)] + LEASE, 60, set(ledger.expected))

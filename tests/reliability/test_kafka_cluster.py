@@ -208,13 +208,6 @@ class _Consumer(threading.Thread):
         self.fatal = ""
 
     def run(self) -> None:
-        since = time.monotonic()
-        try:
-            self._run()
-        finally:
-            self.ledger.history.receiving("here", since, time.monotonic())
-
-    def _run(self) -> None:
         last = time.monotonic()
         while True:
             now = time.monotonic()
@@ -224,7 +217,7 @@ class _Consumer(threading.Thread):
             ):
                 return
             try:
-                msgs = self.sub.receive(50, 0.5)
+                msgs = self.ledger.receive(self.sub, 50, 0.5)
             except mqabstract.MQError as exc:
                 self.errors.append(type(exc).__name__)
                 if not exc.retryable:
@@ -232,11 +225,9 @@ class _Consumer(threading.Thread):
                     return
                 time.sleep(0.3)
                 continue
-            returned = time.monotonic()
             for msg in msgs:
                 last = time.monotonic()
                 self.times.append(last)
-                self.ledger.received(msg, self.sub, returned)
                 at = time.monotonic()
                 try:
                     msg.ack()

@@ -1,7 +1,8 @@
 """Subprocess side of the fault tests (run as a script, not collected by pytest).
 
     worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH]
-        print ``READY pid t``, then receive up to BATCH (default 5) at a time; per message
+        print ``READY pid t``, then receive up to BATCH (default 5) at a time, printing
+        ``CALL start returned n`` per receive call; per message
         print ``RECV id attempt digest origin deadline returned``, then ``ACKING id t``,
         ack, ``ACKED id t``. KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth
         message reaches PHASE (``recv``: before acking, ``acking``: just before the ack
@@ -9,11 +10,11 @@
         process on receipt. Exits (``DONE t``) after IDLE seconds without messages.
         An ack after the lease deadline (the process was frozen) prints ``EXPIRED id t``.
     worker.py hold URL GROUP PATTERN LEASE COUNT
-        receive up to COUNT messages in one call, print ``RECVAT t`` (time.monotonic()
-        before that call: the lease deadline is at most t + LEASE), the ``RECV`` lines and
-        ``HELD t``; then wait for a line on stdin (the parent freezes this process
-        meanwhile) and try to ack each message, printing ``ACKING id t`` and ``ACKED id t``
-        or ``EXPIRED id t``.
+        receive up to COUNT messages in one call (``CALL`` lines as above), print
+        ``RECVAT t`` (time.monotonic() before that call: the lease deadline is at most
+        t + LEASE), the ``RECV`` lines and ``HELD t``; then wait for a line on stdin (the
+        parent freezes this process meanwhile) and try to ack each message, printing
+        ``ACKING id t`` and ``ACKED id t`` or ``EXPIRED id t``.
     worker.py dedupe URL GROUP PATTERN LEASE STORE KILL IDLE
         ``consume`` with ``dedupe=SQLiteStore(STORE)``; the handler inserts a row into the
         store file's ``effects`` table inside ``store.transaction`` (its side effect, once
@@ -81,8 +82,10 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
     seen = 0
     last = time.monotonic()
     while True:
+        called = time.monotonic()
         msgs = sub.receive(max_messages=batch, wait=0.5)
         returned = time.monotonic()
+        out("CALL", repr(called), repr(returned), len(msgs))
         if not msgs:
             if time.monotonic() - last > idle:
                 break
@@ -149,6 +152,7 @@ def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
             started = time.monotonic()
             msgs = sub.receive(max_messages=count, wait=1.0)
             returned = time.monotonic()
+            out("CALL", repr(started), repr(returned), len(msgs))
             if msgs:
                 break
         out("RECVAT", repr(started))
