@@ -204,6 +204,9 @@ BREAKS: dict[str, Callable[[], History]] = {
     "release/late-after-kill": _release_late,
     "release/late-after-freeze": _release_late_after_freeze,
     "release/late-after-receiver-starts": lambda: _late_receiver(6.0 + 2 * TOLERANCE),
+    "release/late-after-a-receiver-that-died-within-margin":
+        lambda: _receiver_killed_at(2.5, 6.0 + 2 * TOLERANCE),
+    "release/late-for-a-receiver-that-stayed": lambda: _receiver_killed_at(3.1, 4.0),
     "dead-letters/early": _dead_letter_early,
     "dead-letters/twice": _dead_letter_twice,
     "dead-letters/beyond-max": _delivered_beyond_max,
@@ -288,6 +291,15 @@ def _release_waits_for_a_receiver() -> History:
     return _late_receiver(6.0)  # due by max(2.0, 5.0) + 1.0
 
 
+def _receiver_killed_at(killed: float, back: float) -> History:
+    """w3 is receiving at b's deadline (2.0) and killed at ``killed``; w2 receives from
+    5.0; b comes back at ``back``. Due by 3.0 if w3 stays up past 3.0, else by 6.0."""
+    h = _late_receiver(back)
+    h.receiving("w3", 1.9, 2.1)
+    h.killed("w3", killed)
+    return h
+
+
 def _release_short_freeze() -> History:
     h = clean()  # thawed before the deadline and acked: nothing to release
     h.faults = [f for f in h.faults if f.holder != "w3"]
@@ -318,6 +330,7 @@ BOUNDARIES: dict[str, Callable[[], History]] = {
     "second-holder/long-poll-returned-after-deadline": _second_holder_long_poll,
     "release/within-tolerance-of-bound": _release_at_bound,
     "release/waits-for-a-receiver": _release_waits_for_a_receiver,
+    "release/receiver-died-within-margin": lambda: _receiver_killed_at(2.5, 6.0),
     "release/thawed-before-deadline": _release_short_freeze,
     "dead-letters/explicit-reason": _dead_letter_explicit,
 }

@@ -45,7 +45,9 @@ Rules:
     ``Capabilities.release_margin``). "Receiving" is a recorded receive window of another
     holder (a receive call: from its start to its return; or a span in which it looped on
     receive), minus its freezes and anything after its death; the receive call of each
-    delivery counts too. A consumer busy with its own batch is not receiving.
+    delivery counts too. A consumer busy with its own batch is not receiving, and one that
+    is killed or frozen within the margin after that moment does not count (it could not
+    have been given the message: the clock starts with the next one).
 ``dead-letters``
     Dead letters caused by running out of attempts (lease expiries or nacks on the final
     attempt, or whatever reason the scenario marks as exhausted) carry exactly
@@ -345,28 +347,35 @@ def rule_second_holder(h: History) -> list[str]:
 
 
 # -- d. frozen or killed holders' messages come back in time -------------------------------
-def _available(h: History, holder: str, t: float) -> float | None:
-    """Earliest time >= t at which a holder other than ``holder`` was receiving."""
+def _available(h: History, holder: str, t: float, margin: float) -> float | None:
+    """Earliest time ``at`` >= t at which a holder other than ``holder`` was receiving and
+    then stayed up (neither killed nor frozen) until ``at + margin``: a consumer that dies
+    or stops within the margin could not have been given the message, so the clock starts
+    again with the next one."""
     best: float | None = None
     deaths = h._deaths()
+    freezes: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for f in h.faults:
+        if f.kind == FROZEN:
+            freezes[f.holder].append((f.at, math.inf if f.until is None else f.until))
     spans = [(w.holder, w.start, math.inf if w.end is None else w.end) for w in h.windows]
     spans += [(d.holder, d.start, d.start if d.returned is None else d.returned)
               for d in h.deliveries]
     for who, a, b in spans:
-        if who == holder:
+        if who == holder or b < t:
             continue
-        b = min(b, deaths.get(who, math.inf))
-        pieces = [(a, b)]
-        for f in h.faults:  # minus its freezes
-            if f.holder != who or f.kind != FROZEN:
-                continue
-            end = math.inf if f.until is None else f.until
-            pieces = [p for lo, hi in pieces for p in ((lo, min(hi, f.at)), (max(lo, end), hi))
+        died = deaths.get(who, math.inf)
+        pieces = [(a, min(b, died))]
+        for f0, f1 in freezes[who]:  # minus its freezes
+            pieces = [p for lo, hi in pieces for p in ((lo, min(hi, f0)), (max(lo, f1), hi))
                       if p[0] <= p[1]]
         for lo, hi in pieces:
-            if hi >= t:
-                at = max(lo, t)
-                best = at if best is None else min(best, at)
+            if hi < t:
+                continue
+            at = max(lo, t)
+            if died <= at + margin or any(at < f0 <= at + margin for f0, _ in freezes[who]):
+                continue  # gone again before the margin was over
+            best = at if best is None else min(best, at)
     return best
 
 
@@ -396,9 +405,9 @@ def rule_release(h: History, margin: float) -> list[str]:
                 continue  # not released by a fault, or never again ("lost" judges that)
             faulted = True
             nxt = ds[i + 1]
-            avail = _available(h, d.holder, d.deadline)
+            avail = _available(h, d.holder, d.deadline, margin)
             if avail is None:
-                continue  # nobody else was receiving after the deadline
+                continue  # nobody else was receiving (and stayed up) after the deadline
             bound = avail + margin
             if nxt.start > bound + TOLERANCE:
                 bad.append(f"{mid}: attempt {d.attempt} held by {d.holder} ({how}), lease "
