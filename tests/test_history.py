@@ -369,3 +369,50 @@ def test_missing_data_is_a_violation_not_a_pass() -> None:
     h = clean()
     h.max_attempts = None
     assert [v[:27] for v in _run(h)] == ["[dead-letters] not judged: "]
+
+
+# -- the backend's release clock ------------------------------------------------------------
+def _churn(back: float, *, freeze: tuple[float, float] | None = None,
+           kill_other: float | None = None) -> History:
+    """w1 is killed holding "b" (deadline 2.0); w2 receives all along from 1.5 and gets it
+    back at ``back``. Optionally a third consumer w3 is frozen or killed meanwhile."""
+    h = History(max_attempts=3)
+    h.publish("b", "dig-b")
+    h.receiving("w1", 0.0, None)
+    h.receiving("w2", 1.5, None)
+    h.deliver("b", 1, "w1", 0.0, 2.0, "dig-b", returned=0.1)
+    h.killed("w1", 1.0)
+    if freeze or kill_other:
+        h.receiving("w3", 0.0, None)
+    if freeze:
+        h.frozen("w3", *freeze)
+    if kill_other:
+        h.killed("w3", kill_other)
+    h.deliver("b", 2, "w2", back, back + LEASE, "dig-b", returned=back + 0.1)
+    h.settle("b", "w2", ACKED, back + 0.2)
+    return h
+
+
+@pytest.mark.parametrize("clock, history, ok", [
+    # deadline clock: due by 2.0 + 1.0 whatever else happens
+    ("deadline", _churn(2.9), True),
+    ("deadline", _churn(3.5, kill_other=2.5), False),
+    # membership (Kafka): another member leaving at 2.5 restarts the margin: due by 3.5
+    ("membership", _churn(3.4, kill_other=2.5), True),
+    ("membership", _churn(3.6, kill_other=2.5), False),
+    # ... and a change after the margin ran out does not excuse a late one
+    ("membership", _churn(4.5, kill_other=3.2), False),
+    # unfrozen (SQLite): w3 frozen 1.8..4.0 may hold the write lock: due by 4.0 + 1.0
+    ("unfrozen", _churn(4.9, freeze=(1.8, 4.0)), True),
+    ("unfrozen", _churn(5.1, freeze=(1.8, 4.0)), False),
+    ("deadline", _churn(4.9, freeze=(1.8, 4.0)), False),
+])
+def test_release_clock_is_the_backends_formula(clock: str, history: History, ok: bool) -> None:
+    found = _run(history, release_clock=clock)
+    assert (found == []) == ok, found
+    assert all(v.startswith("[release]") for v in found)
+
+
+def test_unknown_release_clock_is_refused() -> None:
+    with pytest.raises(ValueError, match="release clock"):
+        _run(_churn(2.9), release_clock="sometime")

@@ -47,7 +47,13 @@ Rules:
     receive), minus its freezes and anything after its death; the receive call of each
     delivery counts too. A consumer busy with its own batch is not receiving, and one that
     is killed or frozen within the margin after that moment does not count (it could not
-    have been given the message: the clock starts with the next one).
+    have been given the message: the clock starts with the next one). When the clock
+    starts is the backend's documented formula (``release_clock``): ``deadline`` as above;
+    ``membership`` (Kafka: every member that joins, leaves, stops or wakes starts a
+    rebalance that stops the group's deliveries, so the margin counts again from the last
+    such event — kills, freezes, thaws and a consumer's first receive); ``unfrozen``
+    (SQLite: a stopped process may hold the file's write lock, which nobody can take from
+    it, so the clock does not run while any process is frozen).
 ``dead-letters``
     Dead letters caused by running out of attempts (lease expiries or nacks on the final
     attempt, or whatever reason the scenario marks as exhausted) carry exactly
@@ -395,7 +401,46 @@ def _released(h: History, d: Delivery) -> str | None:
     return None
 
 
-def rule_release(h: History, margin: float) -> list[str]:
+#: When the release clock starts (rule ``release``); see the module docstring.
+RELEASE_CLOCKS = ("deadline", "membership", "unfrozen")
+
+
+def _membership_events(h: History) -> list[float]:
+    """Times at which a group's membership may change: kills, freezes and thaws, and each
+    holder's first receive (a consumer joining)."""
+    times = [f.at for f in h.faults if f.kind in (KILLED, FROZEN)]
+    times += [f.until for f in h.faults if f.kind == FROZEN and f.until is not None]
+    first: dict[str, float] = {}
+    for who, t in [(w.holder, w.start) for w in h.windows] + \
+            [(d.holder, d.start) for d in h.deliveries]:
+        first[who] = min(t, first.get(who, t))
+    return sorted(times + list(first.values()))
+
+
+def _clock_start(h: History, at: float, margin: float, clock: str,
+                 events: list[float]) -> float:
+    """When the release clock really starts for a message available from ``at``."""
+    if clock == "membership":
+        changed = True
+        while changed:  # each change inside the margin restarts it
+            later = [t for t in events if at < t <= at + margin]
+            changed = bool(later)
+            at = max(later) if later else at
+    elif clock == "unfrozen":
+        changed = True
+        while changed:  # past every freeze (of anyone) that covers the start
+            covering = [math.inf if f.until is None else f.until for f in h.faults
+                        if f.kind == FROZEN and f.at <= at
+                        and (f.until is None or f.until > at)]
+            changed = bool(covering)
+            at = max(covering) if covering else at
+    return at
+
+
+def rule_release(h: History, margin: float, clock: str = "deadline") -> list[str]:
+    if clock not in RELEASE_CLOCKS:
+        raise ValueError(f"release clock {clock!r}: one of {RELEASE_CLOCKS}")
+    events = _membership_events(h) if clock == "membership" else []
     bad: list[str] = []
     faulted = False
     for mid, ds in h.by_id().items():
@@ -408,11 +453,13 @@ def rule_release(h: History, margin: float) -> list[str]:
             avail = _available(h, d.holder, d.deadline, margin)
             if avail is None:
                 continue  # nobody else was receiving (and stayed up) after the deadline
-            bound = avail + margin
+            start = _clock_start(h, avail, margin, clock, events)
+            bound = start + margin
             if nxt.start > bound + TOLERANCE:
                 bad.append(f"{mid}: attempt {d.attempt} held by {d.holder} ({how}), lease "
                            f"deadline {d.deadline:.3f}, another consumer receiving from "
-                           f"{avail:.3f}; next delivery (attempt {nxt.attempt} to "
+                           f"{avail:.3f}, {clock} clock from {start:.3f}; next delivery "
+                           f"(attempt {nxt.attempt} to "
                            f"{nxt.holder}) received from {nxt.start:.3f}, "
                            f"{nxt.start - bound:.3f}s after deadline + margin {margin:g}s")
     out: list[str] = []
@@ -493,12 +540,14 @@ RULES: dict[str, Callable[..., list[str]]] = {
 
 
 def check(history: History, *, release_margin: float | None = None,
+          release_clock: str = "deadline",
           dead_letter_duplicates: str | None = None,
           skip: Mapping[str, str] | None = None) -> list[str]:
     """Every violated rule as readable lines (empty when all hold).
 
     ``release_margin``: the backend's ``Capabilities.release_margin`` (rule ``release``
-    needs it when the history has kills or freezes). ``dead_letter_duplicates``: why the
+    needs it when the history has kills or freezes); ``release_clock``: when its clock
+    starts on this backend (``RELEASE_CLOCKS``). ``dead_letter_duplicates``: why the
     backend declares an id may be dead-lettered twice (then that is not a violation).
     ``skip``: rule → why this scenario cannot judge it (a reason is required).
     """
@@ -519,7 +568,7 @@ def check(history: History, *, release_margin: float | None = None,
                     out.append("[release] not judged: kills or freezes recorded but no "
                                "release_margin given")
                 continue
-            out += rule(history, release_margin)
+            out += rule(history, release_margin, release_clock)
         elif name == "dead-letters":
             out += rule(history, dead_letter_duplicates)
         else:

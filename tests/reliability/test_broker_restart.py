@@ -105,7 +105,7 @@ def test_broker_restart(private: Any, backend: str, reporter: Reporter) -> None:
     durable = kind in ("rabbitmq", "kafka")
     tok = token()
     topic, pattern, group = f"rel.{tok}.r", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=20)
+    ledger = Ledger(max_attempts=20, backend=backend)
     errors: list[str] = []
     with mqabstract.connect(private.client_url) as mq:
         margin = mq.capabilities.release_margin

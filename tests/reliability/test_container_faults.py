@@ -65,7 +65,7 @@ def box(backend: str) -> Iterator[Any]:
 def test_container_fault(box: Any, backend: str, fault: str, reporter: Reporter) -> None:
     tok = token()
     topic, pattern, group = f"rel.{tok}.c", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=20)
+    ledger = Ledger(max_attempts=20, backend=backend)
     errors: list[str] = []
     start, end = (box.pause, box.unpause) if fault == "pause" else (box.cut, box.restore)
     with mqabstract.connect(box.client_url) as mq:

@@ -71,7 +71,7 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
         db.execute("CREATE TABLE effects (id TEXT, attempt INT, pid INT)")
     idle = QUIET[kind(backend)] + LEASE
     started = time.monotonic()
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
         try:

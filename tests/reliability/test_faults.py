@@ -74,7 +74,7 @@ def test_consumer_sigkill(backend: str, rel_url: str, reporter: Reporter) -> Non
     rng = random.Random(seed)
     tok = token()
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
@@ -127,7 +127,7 @@ def test_publisher_sigkill(backend: str, rel_url: str, reporter: Reporter) -> No
     rng = random.Random(seed)
     tok = token()
     topic, pattern, group = f"rel.{tok}.pub", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=10.0, max_attempts=50)
@@ -160,7 +160,7 @@ def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> N
     thread): after the lease, another consumer gets them with attempt + 1."""
     tok = token()
     topic, pattern, group = f"rel.{tok}.a", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq, mqabstract.connect(rel_url) as other:
         margin = mq.capabilities.release_margin
         try:
@@ -202,7 +202,7 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
     are acked on their first delivery, long before the poison ones are given up."""
     tok = token()
     topic, pattern, group = f"rel.{tok}.p", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=3)
+    ledger = Ledger(max_attempts=3, backend=backend)
     poison: set[str] = set()
     normal: set[str] = set()
     acked_at: dict[str, float] = {}
@@ -274,7 +274,7 @@ def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
     tok = token()
     topic, pattern, group = f"rel.{tok}.k", f"rel.{tok}.#", f"rel-{tok}"
     max_attempts = 2
-    ledger = Ledger(max_attempts=max_attempts)
+    ledger = Ledger(max_attempts=max_attempts, backend=backend)
     # The worker takes one message at a time. On RabbitMQ the client also prefetches
     # (`prefetch`, default 100), and a crashed process's prefetched messages come back
     # counted as delivered (x-delivery-count): exact crash attempts need prefetch=1, as

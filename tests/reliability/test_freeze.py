@@ -59,7 +59,7 @@ def test_frozen_holder_releases_within_lease_and_margin(backend: str, rel_url: s
     within the declared margin, with a higher attempt; the woken holder cannot ack."""
     tok = token("f")
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=FREEZE_LEASE, max_attempts=50)
@@ -107,7 +107,7 @@ def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter)
     rng = random.Random(seed)
     tok = token("c")
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     total = _chaos_messages(backend)
 
     def start() -> Worker:

@@ -247,7 +247,7 @@ def _node_failure(cluster: Any, backend: str, reporter: Reporter, role: str) -> 
     url = _url(cluster, backend)
     tok = token("k")
     topic, pattern, group = f"rel.{tok}.load", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(url) as mq, mqabstract.connect(url) as cmq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
@@ -354,7 +354,7 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
     url = _url(cluster, backend)
     tok = token("w")
     topic, pattern, group = f"rel.{tok}.r", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     errors: list[str] = []
     with mqabstract.connect(url) as mq:
         margin = mq.capabilities.release_margin
@@ -417,7 +417,7 @@ def test_consumer_stalled_past_session(cluster: Any, backend: str, reporter: Rep
     url = _url(cluster, backend)
     tok = token("s")
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger(max_attempts=50)
+    ledger = Ledger(max_attempts=50, backend=backend)
     held_n = 10
     with mqabstract.connect(url) as mq:
         margin = mq.capabilities.release_margin
