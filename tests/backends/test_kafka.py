@@ -626,3 +626,13 @@ def test_producer_is_idempotent_with_acks_all(url, client) -> None:
         else:
             assert producer.p.config["acks"] in ("all", -1)
             assert producer.p.config["enable_idempotence"] is True
+
+
+def test_capabilities_say_what_a_confirmed_publish_survives(url) -> None:
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(url) as mq:
+        assert "any one broker" in mq.capabilities.confirmed_survives
+    with mqabstract.connect(f"{url}{sep}replication_factor=5") as mq:  # min ISR derived: 2
+        assert "when 2 in-sync replicas" in mq.capabilities.confirmed_survives
+    with mqabstract.connect(f"{url}{sep}replication_factor=-1&min_insync_replicas=-1") as mq:
+        assert "broker's defaults" in mq.capabilities.confirmed_survives
