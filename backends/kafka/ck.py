@@ -382,10 +382,13 @@ class _Admin(Admin):
         return out
 
     def cluster_size(self) -> int:
+        # DescribeCluster: the brokers without every topic's metadata (a full listing
+        # costs ~0.1 s on a broker with hundreds of topics).
         try:
-            return len(self.a.list_topics(topic=None, timeout=self.timeout).brokers)
+            future = self.a.describe_cluster(request_timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
+        return len(_result(future, self.timeout + 5).nodes)
 
     def replication(self, names: Collection[str]) -> dict[str, int]:
         # DescribeTopics (not a metadata request naming the topic: that may create it).

@@ -467,9 +467,15 @@ class KafkaDriver(Driver):
             try:
                 brokers = self.cluster_size()
             except Exception as exc:
-                if rf == AUTO:
+                if rf == AUTO and transient(exc):
                     raise native(exc, "cannot read the cluster's brokers", self.url) from exc
-                log.debug("kafka: cluster size not read: %s", redact(str(exc))[:300])
+                if rf == AUTO:  # a broker without DescribeCluster: its defaults, said loudly
+                    log.warning("kafka: the cluster's brokers cannot be read (%s): topics %s "
+                                "are created with the broker's default replication",
+                                redact(str(exc))[:300], sorted(missing))
+                    rf = BROKER_DEFAULT
+                else:
+                    log.debug("kafka: cluster size not read: %s", redact(str(exc))[:300])
         try:
             replication, min_isr = replication_plan(brokers, rf, isr)
         except ValueError as exc:

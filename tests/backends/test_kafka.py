@@ -491,7 +491,7 @@ def test_buffer_options_out_of_range_are_refused_at_connect(url) -> None:
 
 
 # -- replication of the topics the driver creates -------------------------------------------
-from mqabstract.backends.kafka.client import Created  # noqa: E402
+from mqabstract.backends.kafka.client import ClientError, Created, Kind  # noqa: E402
 from mqabstract.backends.kafka.driver import (  # noqa: E402
     AUTO,
     BROKER_DEFAULT,
@@ -602,6 +602,21 @@ def test_topics_on_a_cluster_and_single_replica_ones_reported_once(url, client, 
             driver.ensure_topics([names[old], "rq-new"])
         assert not caplog.records, "asked for one replica: not reported"
         assert fake.created[0][2:] == (1, {"min.insync.replicas": "1"})
+        driver._admin_c = fake.real
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq:
+        driver = mq._driver
+        fake = _ClusterAdmin(driver.admin, 3, {})
+
+        def unanswered() -> int:  # a broker without DescribeCluster
+            raise ClientError(Kind.OTHER, "UnsupportedVersion")
+
+        fake.cluster_size = unanswered
+        driver._admin_c = fake
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "mqabstract.kafka"):
+            driver.ensure_topics(["rq-new"])
+        assert fake.created[0][2:] == (-1, {}), "the broker's defaults, not a failed publish"
+        assert "cannot be read" in caplog.text
         driver._admin_c = fake.real
     with mqabstract.connect(f"{url}{sep}client={client}&replication_factor=-1"
                             "&min_insync_replicas=-1") as mq:
