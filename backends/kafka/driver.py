@@ -75,8 +75,10 @@ PREFETCH_KBYTES_MAX = 2_097_151
 AUTO = 0
 BROKER_DEFAULT = -1
 
-#: Seconds a cluster size stays cached (it is asked when topics are created).
-CLUSTER_SIZE_TTL = 30.0
+#: Seconds a cluster size stays cached. It is asked when topics are created, and must be
+#: fresh: once a dead broker is fenced (Kafka: 9 s) a topic with one replica per broker
+#: seen before cannot be created.
+CLUSTER_SIZE_TTL = 1.0
 
 R = TypeVar("R")
 
@@ -441,7 +443,7 @@ class KafkaDriver(Driver):
         return self.producer.partitions(topic) or set()
 
     def cluster_size(self) -> int:
-        """Brokers in the cluster's metadata (live ones), asked at most every 30 s."""
+        """Brokers in the cluster's metadata (live ones), asked at most once a second."""
         cached = self._brokers
         if cached is not None and time.monotonic() - cached[1] < CLUSTER_SIZE_TTL:
             return cached[0]
