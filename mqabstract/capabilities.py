@@ -96,6 +96,9 @@ class Capabilities:
     max_consumers_per_group: int | None = None  #: None = unlimited (Kafka: partitions)
     shared_between_processes: bool = True  #: False for memory://
     durable: bool = True  #: messages survive a broker restart
+    #: what a confirmed publish survives, in words, as configured (empty: not stated
+    #: beyond ``durable``)
+    confirmed_survives: str = ""
     #: which ``GroupStats`` counts ``stats()`` reports, and how: "exact" (the broker's own
     #: count, by any process), "approximate" (the broker's estimate); absent ones are None
     stats: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(
