@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -95,6 +95,8 @@ class Ledger:
     acked: set[str] = field(default_factory=set)
     acking: set[str] = field(default_factory=set)
     dead: dict[str, int] = field(default_factory=dict)
+    #: ids the dead-letter listing showed more than once (id → entries): written twice
+    dead_twice: dict[str, int] = field(default_factory=dict)
     order: list[tuple[str, str]] = field(default_factory=list)  #: ("D"|"A", id) in time order
 
     def confirm(self, mid: str, body: bytes) -> None:
@@ -154,6 +156,9 @@ class Ledger:
         counts: dict[str, int] = defaultdict(int)
         for mid, _, _ in self.deliveries:
             counts[mid] += 1
+        if self.dead_twice:
+            sample = dict(list(self.dead_twice.items())[:4])
+            out.append(f"dead-lettered more than once (id: entries listed): {sample}")
         early = {m: (n, counts[m]) for m, n in self.dead.items() if counts[m] < n}
         if early:
             sample = dict(list(early.items())[:4])
@@ -447,11 +452,15 @@ def ack_stale(held: list[mqabstract.Message], errors: list[str]) -> None:
 
 
 def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger) -> None:
-    """Record the group's dead letters (id → attempts) in the ledger."""
+    """Record the group's dead letters (id → attempts) in the ledger, and each id listed
+    more than once (at most one dead letter per id: the checker reports the others)."""
     if not broker.capabilities.supports(mqabstract.Feature.DEAD_LETTER):
         return
-    for dl in broker.dead_letters(group, limit=1000):
-        ledger.dead[dl.id] = dl.attempts
+    listed: Counter[str] = Counter()
+    for dl in broker.dead_letters(group, limit=10_000):
+        listed[dl.id] += 1
+        ledger.dead.setdefault(dl.id, dl.attempts)
+    ledger.dead_twice.update({mid: n for mid, n in listed.items() if n > 1})
 
 
 def spare_port(start: int, also: tuple[int, ...] = ()) -> int:
