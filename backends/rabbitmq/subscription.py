@@ -381,6 +381,15 @@ class RabbitMQSubscription(DriverSubscription):
                 self._cond.notify()
 
         self._ctag = ch.basic_consume(self.queue, on_message)
+        # Every delivery on this channel is for our consumer, also one that arrives between
+        # our basic.cancel (a pause or close) and its cancel-ok: the buffer takes it and the
+        # pause hands it back by copy, its attempt unchanged. pika would reject it itself
+        # (requeue), and the broker counts that as a delivery (quorum: x-delivery-count + 1;
+        # classic: flagged redelivered): its next delivery would skip an attempt that nobody
+        # saw. pika 1.x hands each assembled delivery to the channel's ``_on_deliver``;
+        # replaced on this channel object only (again by the next consume, not stacked).
+        ch._on_deliver = lambda frame, header, content: on_message(
+            ch, frame.method, header.properties, content)
 
     def _io_channel_closed(self, ch: Any, reason: BaseException) -> None:
         if ch is not self._ch:

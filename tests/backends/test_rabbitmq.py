@@ -523,3 +523,47 @@ def test_expiration_is_what_is_left_of_the_ttl(expires_in: float, expected: str 
     assert _expiration({"mq-expires-at": repr(now + expires_in)}, now) == expected
     assert _expiration({}, now) is None
     assert _expiration({"mq-expires-at": "soon"}, now) is None
+
+
+# ----------------------------------------------------------------------------------------
+# pausing an idle consumer
+
+
+@pytest.mark.parametrize("priority", [False, True], ids=["quorum", "classic"])
+def test_a_pause_hands_back_deliveries_on_the_wire_uncounted(mq: mqabstract.Broker,
+                                                             token: str, priority: bool) -> None:
+    """An idle consumer is paused (basic.cancel, its unread buffer handed back). Deliveries
+    already on the wire arrive between the cancel and its cancel-ok; pika would reject them
+    (requeue), which counts a delivery on a quorum queue (x-delivery-count) and flags a
+    redelivery on a classic one: their next delivery would skip an attempt. Here the pause
+    starts inside the first delivery's callback, the rest of the prefetch still unread:
+    every message still comes with attempt 1."""
+    lease, count = 30.0, 60
+    group, pattern, topic = f"pause-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease, priority=priority)
+    try:
+        mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                          for i in range(count)])
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            inner = sub._inner
+            pausing = threading.Event()
+            while_cancelling = []  # deliveries between the cancel and its cancel-ok
+
+            class PauseAtFirstDelivery(threading.Condition):
+                def notify(self, n: int = 1) -> None:  # on the I/O thread, in on_message
+                    super().notify(n)
+                    if inner._cancelling:  # type: ignore[attr-defined]
+                        while_cancelling.append(1)
+                    if not pausing.is_set():
+                        pausing.set()
+                        inner._io_pause()  # type: ignore[attr-defined]
+
+            inner._cond = PauseAtFirstDelivery(inner._lock)  # type: ignore[attr-defined]
+            got = _drain(sub, count, ack=True)
+            assert pausing.is_set()
+            assert sorted(m.id for m in got) == sorted(f"{token}-{i}" for i in range(count))
+            assert {m.id: m.attempt for m in got if m.attempt != 1} == {}
+            assert while_cancelling  # the case at hand: some were on the wire
+            assert sub.receive(1, 1.0) == []
+    finally:
+        mq.delete_group(group)
