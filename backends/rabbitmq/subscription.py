@@ -600,6 +600,10 @@ class RabbitMQSubscription(DriverSubscription):
         self._check()
         # The lease starts with this call (the portable layer's deadline is no later).
         started = time.monotonic()
+        # Not idle from here on: the I/O thread's tick may run before this thread counts
+        # itself in ``_receiving`` below, and must not pause the consumer this call is
+        # about to use (or restart) right away.
+        self._last_receive = started
         if not self._want or self._ch is None:
             self._want = True
             self._link.call(self._io_start)

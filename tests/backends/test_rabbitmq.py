@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -565,5 +566,58 @@ def test_a_pause_hands_back_deliveries_on_the_wire_uncounted(mq: mqabstract.Brok
             assert {m.id: m.attempt for m in got if m.attempt != 1} == {}
             assert while_cancelling  # the case at hand: some were on the wire
             assert sub.receive(1, 1.0) == []
+    finally:
+        mq.delete_group(group)
+
+
+def test_a_receive_that_restarts_an_idle_consumer_is_not_paused_at_once(
+        mq: mqabstract.Broker, token: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The I/O thread's tick pauses a consumer nobody received from for a while. A receive
+    that restarts it must not look idle to a tick that lands between the restart and the
+    receive's wait: that paused it at once, cancelling what was on the wire (a message
+    whose lease had run out, as in conformance ``test_settle_after_deadline``)."""
+    lease = 2.0
+    group, pattern, topic = f"restart-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease)
+    try:
+        mid = mq.publish(topic, b"x")
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            inner: Any = sub._inner
+            [msg] = _drain(sub, 1)
+            time.sleep(msg.lease_remaining + 0.05)
+            with pytest.raises(mqabstract.LeaseExpired):
+                msg.nack()
+            # paused (idle), and the copy of the expired message is in the queue
+            _until(lambda: not inner._want and inner._inflight == 0
+                   and inner._leases.next_deadline() is None)
+            pauses: list[int] = []
+            pause = inner._io_pause
+            call = inner._link.call
+
+            def counted(*args: Any) -> None:
+                pauses.append(1)
+                pause(*args)
+
+            def start_then_tick(fn: Any) -> None:
+                """The receive's thread descheduled right after it asked for the restart:
+                the I/O thread restarts the consumer and ticks before that thread goes on."""
+                ran = threading.Event()
+
+                def both() -> None:
+                    try:
+                        fn()
+                        if fn == inner._io_start:
+                            inner._io_tick(time.monotonic())
+                    finally:
+                        ran.set()
+
+                call(both)
+                assert ran.wait(10)
+
+            monkeypatch.setattr(inner, "_io_pause", counted)
+            monkeypatch.setattr(inner._link, "call", start_then_tick)
+            [again] = _drain(sub, 1)
+            assert (again.id, again.attempt) == (mid, 2)
+            assert pauses == []
     finally:
         mq.delete_group(group)
