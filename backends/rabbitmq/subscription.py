@@ -381,6 +381,15 @@ class RabbitMQSubscription(DriverSubscription):
                 self._cond.notify()
 
         self._ctag = ch.basic_consume(self.queue, on_message)
+        # Every delivery on this channel is for our consumer, also one that arrives between
+        # our basic.cancel (a pause or close) and its cancel-ok: the buffer takes it and the
+        # pause hands it back by copy, its attempt unchanged. pika would reject it itself
+        # (requeue), and the broker counts that as a delivery (quorum: x-delivery-count + 1;
+        # classic: flagged redelivered): its next delivery would skip an attempt that nobody
+        # saw. pika 1.x hands each assembled delivery to the channel's ``_on_deliver``;
+        # replaced on this channel object only (again by the next consume, not stacked).
+        ch._on_deliver = lambda frame, header, content: on_message(
+            ch, frame.method, header.properties, content)
 
     def _io_channel_closed(self, ch: Any, reason: BaseException) -> None:
         if ch is not self._ch:
@@ -591,6 +600,10 @@ class RabbitMQSubscription(DriverSubscription):
         self._check()
         # The lease starts with this call (the portable layer's deadline is no later).
         started = time.monotonic()
+        # Not idle from here on: the I/O thread's tick may run before this thread counts
+        # itself in ``_receiving`` below, and must not pause the consumer this call is
+        # about to use (or restart) right away.
+        self._last_receive = started
         if not self._want or self._ch is None:
             self._want = True
             self._link.call(self._io_start)

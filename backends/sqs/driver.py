@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import re
 import threading
@@ -68,6 +69,8 @@ from .wire import (
 )
 
 __all__ = ["SQSDriver"]
+
+log = logging.getLogger("mqabstract.sqs")
 
 _CONNECT_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
@@ -741,6 +744,40 @@ class SQSDriver(Driver):
                 return list(seen.values())
             long_polled = True
 
+    def _scan_dead(self, g: _Group) -> list[dict[str, Any]]:
+        """The group's dead letters, one per message id (hidden for a minute, as ``_scan``).
+
+        A move to the dead-letter queue is a send there, then a delete from the group queue:
+        two calls that nothing makes atomic. A consumer killed between them leaves the
+        original behind; it comes back past ``max_attempts`` and is moved again, a second
+        entry for the id. So an id's first move (fewest attempts, then earliest) is its dead
+        letter; a later entry for it is redundant and deleted here (if that delete fails,
+        the next scan drops it again)."""
+        first: dict[str, dict[str, Any]] = {}
+        extra: list[dict[str, Any]] = []
+
+        def order(m: Mapping[str, Any]) -> tuple[int, float, int, str]:
+            meta = _from_sqs(m).meta
+            sent = int((m.get("Attributes") or {}).get("SentTimestamp", 0))
+            dead_at = meta.get(M_DEAD_AT)
+            return (int(meta.get(M_ATTEMPT, 0)),
+                    float(dead_at) if isinstance(dead_at, (int, float)) else sent / 1000.0,
+                    sent, str(m["MessageId"]))
+
+        for m in sorted(self._scan(g.dlq_url), key=order):
+            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
+            if mid in first:
+                extra.append(m)
+            else:
+                first[mid] = m
+        if extra:
+            try:
+                self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in extra])
+            except MQError as exc:
+                log.warning("sqs: group %r: %d repeated dead letters not deleted (%s); "
+                            "every listing leaves them out", g.name, len(extra), exc)
+        return list(first.values())
+
     def _release(self, queue_url: str, messages: Iterable[Mapping[str, Any]]) -> None:
         handles = [m["ReceiptHandle"] for m in messages]
         for start in range(0, len(handles), BATCH):
@@ -779,7 +816,7 @@ class SQSDriver(Driver):
 
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         g = self._lookup(group)
-        messages = self._scan(g.dlq_url)
+        messages = self._scan_dead(g)
         try:
             views = sorted((self._dead_letter_view(m) for m in messages),
                            key=lambda d: (d.dead_lettered_at or d.published_at))
@@ -790,7 +827,7 @@ class SQSDriver(Driver):
     def _select(self, group: str, ids: Collection[str] | None) -> tuple[_Group, list[Any],
                                                                          list[Any]]:
         g = self._lookup(group)
-        messages = self._scan(g.dlq_url)
+        messages = self._scan_dead(g)
         chosen: list[Any] = []
         rest: list[Any] = []
         for m in messages:

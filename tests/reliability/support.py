@@ -555,7 +555,7 @@ def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger,
     loop dead-letters a failing handler's message with on its last attempt)."""
     if not broker.capabilities.supports(mqabstract.Feature.DEAD_LETTER):
         return
-    for dl in broker.dead_letters(group, limit=1000):
+    for dl in broker.dead_letters(group, limit=10_000):
         ledger.history.dead_letter(
             dl.id, dl.attempts, dl.reason,
             dl.reason.startswith(EXHAUSTED_PREFIXES) or dl.reason in exhausted_too)
