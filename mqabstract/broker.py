@@ -521,10 +521,15 @@ class Subscription:
             late = bool(batch) and self._broker._monotonic() >= lease_deadline
             if late:
                 # The driver call outlasted the lease (a stalled broker call, a frozen
-                # process): every settle would raise, so nobody sees these; the backend
-                # delivers them again once its own lease on them ends.
+                # process): nobody sees these and nothing settles them — not even the
+                # portable layer's own dead-lettering of an exhausted or expired one, a
+                # settle after the deadline that used to reach the broker (SQS then moved
+                # a message twice). The backend delivers them again once its lease ends.
                 log.warning("receive from group %r returned %d messages after their lease "
                             "ended; they are delivered again", spec.name, len(batch))
+                if self._closed or time.monotonic() >= deadline:
+                    break
+                continue
             now = None
             fresh: list[Message] = []
             ended: list[Delivery] = []
@@ -535,15 +540,17 @@ class Subscription:
                     replies.append(delivery)
                     continue
                 if dead_letters and delivery.attempt > spec.max_attempts:
-                    self._expire(delivery)
+                    if self._broker._monotonic() < lease_deadline:  # else: it comes again
+                        self._expire(delivery)
                     continue
                 if delivery.headers and _EXPIRES_AT in delivery.headers:
                     now = now or self._broker._now()
                     if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
                         ended.append(delivery)
                         continue
-                if not late:
-                    fresh.append(Message(delivery, self, lease_deadline))
+                fresh.append(Message(delivery, self, lease_deadline))
+            if (replies or ended) and self._broker._monotonic() >= lease_deadline:
+                replies, ended = [], []  # too late to settle them: they come again
             if replies:
                 try:
                     self._ack_away(replies)
@@ -552,12 +559,12 @@ class Subscription:
                               spec.name, len(replies), exc)
             if ended:
                 self._ttl_ended(ended, dead_letters)
-            if (replies or ended) and fresh and self._broker._monotonic() >= lease_deadline:
+            if fresh and self._broker._monotonic() >= lease_deadline:
                 # Settling the others took the rest of the lease (a backlog of expired
                 # messages on a slow broker): as for a late receive.
                 log.warning("receive from group %r: %d messages outlived their lease "
-                            "while %d others were settled; they are delivered again",
-                            spec.name, len(fresh), len(ended) + len(replies))
+                            "while others were settled; they are delivered again",
+                            spec.name, len(fresh))
                 fresh = []
             out += fresh
             if out or self._closed or time.monotonic() >= deadline:
