@@ -101,6 +101,10 @@ class Capabilities:
     stats: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("ready", "leased", "delayed", "dead"), "exact"))
     lists_groups: bool = True  #: ``Broker.groups()`` works (else ``Unsupported``)
+    #: the broker itself never hands out a key's next message of an ordered group while an
+    #: earlier one is leased, delayed or waiting (memory, SQLite, SQS FIFO). False: the
+    #: portable layer holds the later ones back (``mqabstract.emulation.ordering``)
+    keys_one_at_a_time: bool = False
     notes: Mapping[Feature, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
