@@ -318,7 +318,7 @@ class MemoryDriver(Driver):
         min_lease=0.01,
         shared_between_processes=False,
         durable=False,
-        keys_one_at_a_time=True,  # a FIFO per key, only its head deliverable
+        key_gate="broker",  # a FIFO per key, only its head deliverable
     )
 
     def __init__(self, hub: _Hub) -> None:

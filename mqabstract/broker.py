@@ -472,8 +472,8 @@ class Subscription:
         # earlier one is out: the gate holds the later ones back (one rule, kept here).
         caps = broker.capabilities
         self._gate: KeyGate[Message] | None = (
-            KeyGate(max(2 * spec.lease, RETURN_PATIENCE))
-            if spec.ordered and not caps.keys_one_at_a_time else None)
+            KeyGate(max(2 * spec.lease, RETURN_PATIENCE), hand_back=caps.key_gate == "hand_back")
+            if spec.ordered and caps.key_gate != "broker" else None)
         self._can_extend = caps.supports(Feature.LEASE_EXTEND)
         self._keeper: threading.Thread | None = None
         self._keeper_stop = threading.Event()
@@ -586,7 +586,7 @@ class Subscription:
         return out
 
     # -- the ordered-key gate (groups declared ordered=True on brokers that would hand out
-    # a key's next message while an earlier one is out: Capabilities.keys_one_at_a_time) --
+    # a key's next message while an earlier one is out: Capabilities.key_gate) -----------
     def _admit(self, fresh: list[Message]) -> list[Message]:
         """Received messages through the gate: those that go out now (the rest are held,
         their leases renewed by the keeper thread until their key is free)."""
@@ -599,6 +599,17 @@ class Subscription:
                 self._keeper = threading.Thread(
                     target=self._keep, name=f"mqabstract-held-{self.spec.name}", daemon=True)
                 self._keeper.start()
+            back = self._outgoing_locked()
+        if back:
+            self._release(back)
+        return out
+
+    def _outgoing_locked(self) -> list[Message]:
+        """Held messages the gate gives back to the broker (``key_gate="hand_back"``)."""
+        gate = self._gate
+        if gate is None or not gate.outgoing:
+            return []
+        out, gate.outgoing = gate.outgoing, []
         return out
 
     def _unhold(self, limit: int) -> list[Message]:
@@ -609,6 +620,9 @@ class Subscription:
         now = self._broker._monotonic()
         with self._lock:
             ready = gate.ready(now, limit)
+            back = self._outgoing_locked()
+        if back:
+            self._release(back)
         out: list[Message] = []
         for i, msg in enumerate(ready):
             try:
@@ -662,6 +676,10 @@ class Subscription:
                 with self._lock:
                     gate.lost(msg, now + gate.patience)
         with self._lock:
+            back = self._outgoing_locked()
+        if back:
+            self._release(back)
+        with self._lock:
             return len(gate)
 
     def _keep(self) -> None:
@@ -691,6 +709,9 @@ class Subscription:
                 until = self._broker._monotonic() + back + gate.patience
                 for msg in messages:
                     gate.returned(msg, until)
+            out = self._outgoing_locked()
+        if out:
+            self._release(out)
 
     def _gate_forget(self, delivery: Delivery) -> None:
         """A delivery nobody is shown (dead-lettered or expired on receipt) will not come

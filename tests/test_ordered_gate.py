@@ -31,7 +31,7 @@ class _Loose(MemoryDriver):
     """Memory without per-key serialisation (declares what its broker does not do)."""
 
     name = "loose"
-    CAPABILITIES = dataclasses.replace(MemoryDriver.CAPABILITIES, keys_one_at_a_time=False)
+    CAPABILITIES = dataclasses.replace(MemoryDriver.CAPABILITIES, key_gate="hold")
 
     @property
     def capabilities(self) -> mqabstract.Capabilities:
@@ -137,6 +137,23 @@ def test_gate_redelivered_held_message_replaces_its_stale_copy() -> None:
     assert not gate.admit(fresh, 1) and len(gate) == 1
     gate.done(a1)
     assert gate.ready(2, 10) == [fresh]
+
+
+def test_gate_hand_back_gives_held_ones_back_with_a_returned_head() -> None:
+    gate: KeyGate[_M] = KeyGate(patience=30, hand_back=True)
+    a1, a2, a3 = _M("a1", "a", _deadline=10), _M("a2", "a"), _M("a3", "a")
+    for m in (a1, a2, a3):
+        gate.admit(m, 0)
+    gate.returned(a1, until=50)
+    assert gate.outgoing == [a2, a3] and len(gate) == 0
+    gate.outgoing.clear()
+    again = _M("a1", "a")
+    assert gate.admit(again, 1)  # the broker delivers in order again; nothing waited for
+    gate.done(again)
+    b1, b2 = _M("b1", "b", _deadline=10), _M("b2", "b")
+    gate.admit(b1, 1)
+    gate.admit(b2, 1)
+    assert gate.ready(10, 10) == [] and gate.outgoing == [b2]  # b1's lease ended
 
 
 # -- through the portable layer -------------------------------------------------------

@@ -142,7 +142,9 @@ class SQSDriver(Driver):
         # under the full CI load a frozen holder's messages came back 3.4 s past the lease.
         release_margin=5.0,
         max_receive=BATCH,
-        keys_one_at_a_time=True,  # FIFO queues: a message group is locked while one is out
+        # FIFO: one receive may bring several messages of a message group (in order), and
+        # the group stays locked while any of them is out
+        key_gate="hand_back",
         # SQS's own estimates; a delayed message counts as ready until a receive moves it
         # into its wait (SNS cannot delay a delivery)
         stats=dict.fromkeys(("ready", "leased", "delayed", "dead"), "approximate"),

@@ -13,6 +13,11 @@ a message that comes back to another consumer (a Kafka rebalance) must not stop 
 here for ever. Held messages stay leased by the driver; the caller renews them
 (``renewals``) so their broker lease never runs out while they wait.
 
+With ``hand_back`` (SQS FIFO: the broker keeps a key's messages behind any of them that
+is out, so a held one would keep the returned one from coming again) a head that goes
+back takes the key's held messages with it: they move to ``outgoing`` for the caller to
+give back to the broker, which then delivers them in order; nothing is waited for here.
+
 Not thread-safe: the caller serialises calls (the subscription's lock). Time is the
 caller's monotonic clock, passed in, so every rule is testable on a ``FakeClock``.
 """
@@ -60,8 +65,11 @@ class _Key(Generic[M]):
 class KeyGate(Generic[M]):
     """Per-key hold-back of an ordered group's messages (see the module doc)."""
 
-    def __init__(self, patience: float = RETURN_PATIENCE) -> None:
+    def __init__(self, patience: float = RETURN_PATIENCE, hand_back: bool = False) -> None:
         self.patience = patience
+        self.hand_back = hand_back
+        #: held messages to give back to the broker (``hand_back`` only); the caller empties it
+        self.outgoing: list[M] = []
         self._keys: dict[str, _Key[M]] = {}
         self._count = 0  # held messages, all keys
 
@@ -76,12 +84,20 @@ class KeyGate(Generic[M]):
         if head is not None and (head._state == "expired" or head._deadline <= now):
             # Its lease ended before a settle was confirmed (``done`` and ``returned``
             # forget the head): it comes again, first.
-            k.head = None
-            k.back.setdefault(head.id, now + self.patience)
+            self._went_back(k, head, now + self.patience)
         if k.back:
             for mid in [m for m, until in k.back.items() if until <= now]:
                 del k.back[mid]
         return k.head is None and not k.back
+
+    def _went_back(self, k: _Key[M], head: M, until: float) -> None:
+        k.head = None
+        if self.hand_back:
+            self.outgoing += k.held
+            self._count -= len(k.held)
+            k.held.clear()
+        else:
+            k.back.setdefault(head.id, until)
 
     def admit(self, msg: M, now: float) -> bool:
         """A message of ``msg.key`` was received: True to hand it out now (it becomes the
@@ -147,8 +163,7 @@ class KeyGate(Generic[M]):
         for it until ``until``."""
         k = self._keys.get(msg.key) if msg.key is not None else None
         if k is not None and k.head is msg:
-            k.head = None
-            k.back[msg.id] = until
+            self._went_back(k, msg, until)
 
     def done(self, msg: M) -> None:
         """``msg`` was acked or dead-lettered: its key is free (unless others went back)."""
@@ -170,7 +185,8 @@ class KeyGate(Generic[M]):
         if k is not None and msg in k.held:
             k.held.remove(msg)
             self._count -= 1
-            k.back[msg.id] = until
+            if not self.hand_back:
+                k.back[msg.id] = until
 
     def held(self) -> Iterator[M]:
         """Every held message (for renewing their leases)."""
