@@ -125,7 +125,7 @@ class SQSDriver(Driver):
             Feature.NACK_DELAY: Support.NATIVE,
             Feature.DELAY: Support.EMULATED,
             Feature.PRIORITY: Support.UNSUPPORTED,
-            Feature.ORDERING: Support.NATIVE,
+            Feature.ORDERING: Support.EMULATED,
             Feature.DEAD_LETTER: Support.EMULATED,
             Feature.BATCH: Support.NATIVE,
         },
@@ -149,6 +149,10 @@ class SQSDriver(Driver):
         # into its wait (SNS cannot delay a delivery)
         stats=dict.fromkeys(("ready", "leased", "delayed", "dead"), "approximate"),
         notes={
+            Feature.ORDERING: (
+                "FIFO queues (MessageGroupId = key); a receive may bring several messages "
+                "of a group: the portable layer's gate hands out one at a time"
+            ),
             Feature.PRIORITY: (
                 "SQS has no priority and receives from a standard queue are sampled, so "
                 "queue-per-level polling cannot guarantee higher-first; use separate groups"
