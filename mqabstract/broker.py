@@ -75,6 +75,8 @@ _CORRELATION_ID = wire.CORRELATION_ID
 #: What a group does with a message whose TTL ended before delivery (``declare(expired=)``).
 EXPIRED_CHOICES = ("dead_letter", "drop")
 _UNDECODED = object()
+#: Longest driver wait inside ``receive`` while the ordered-key gate holds messages.
+_HELD_POLL = 0.05
 
 
 def _ttl_ended(text: str, now: float) -> bool:
@@ -519,15 +521,18 @@ class Subscription:
         step = max(caps.min_lease, spec.lease / 4)
         gate = self._gate
         while True:
+            span = step
             if gate is not None and len(gate):
                 out += self._unhold(max_messages - len(out))
                 if len(out) >= max_messages:
                     break
+                # Another thread's settle frees a held key: short driver waits see it soon.
+                span = min(step, _HELD_POLL)
             remaining = max(0.0, deadline - time.monotonic())
             want = min(max_messages - len(out), caps.max_receive)
             lease_deadline = self._broker._monotonic() + spec.lease
             with self._broker._guard:
-                batch = self._inner.receive(want, 0.0 if out else min(remaining, step))
+                batch = self._inner.receive(want, 0.0 if out else min(remaining, span))
             late = bool(batch) and self._broker._monotonic() >= lease_deadline
             if late:
                 # The driver call outlasted the lease (a stalled broker call, a frozen

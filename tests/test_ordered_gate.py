@@ -284,6 +284,29 @@ def test_the_keeper_thread_renews_on_its_own(mq: mqabstract.Broker, clock: FakeC
         time.sleep(0.01)
 
 
+def test_a_waiting_receive_gets_the_held_one_soon_after_another_thread_acks(
+        mq: mqabstract.Broker) -> None:
+    sub = mq.subscribe("g", "t.#", ordered=True, lease=LEASE)
+    _publish(mq, "a:1", "a:2")
+    [a1] = sub.receive(10)
+    got: list[tuple[list[Message], float]] = []
+
+    def wait_for_next() -> None:
+        start = time.monotonic()
+        batch = sub.receive(10, wait=5)
+        got.append((batch, time.monotonic() - start))
+
+    worker = threading.Thread(target=wait_for_next)
+    worker.start()
+    time.sleep(0.1)
+    acked = time.monotonic()
+    a1.ack()
+    worker.join(10)
+    [(batch, _)] = got
+    assert _bodies(batch) == ["a:2"]
+    assert time.monotonic() - acked < 1.0  # not a quarter lease (2.5 s) later
+
+
 def test_consume_with_concurrency_keeps_one_per_key(mq: mqabstract.Broker) -> None:
     sub = mq.subscribe("g", "t.#", ordered=True, lease=LEASE)
     for i in range(20):
