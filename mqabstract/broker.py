@@ -479,6 +479,9 @@ class Subscription:
         self._can_extend = caps.supports(Feature.LEASE_EXTEND)
         self._keeper: threading.Thread | None = None
         self._keeper_stop = threading.Event()
+        # Held messages handed back unseen (key_gate="hand_back") -> how many times: the
+        # broker counted those receives as deliveries; the application never saw them.
+        self._unseen: dict[str, int] = {}
 
     @property
     def group(self) -> str:
@@ -544,7 +547,10 @@ class Subscription:
             fresh: list[Message] = []
             ended: list[Delivery] = []
             replies: list[Delivery] = []
+            unseen = self._unseen
             for delivery in batch:
+                if unseen and delivery.id in unseen:
+                    delivery.attempt = max(1, delivery.attempt - unseen.pop(delivery.id))
                 if (self._skips_replies and delivery.topic.startswith(REPLY_PREFIX)
                         and delivery.headers and _CORRELATION_ID in delivery.headers):
                     replies.append(delivery)
@@ -606,8 +612,18 @@ class Subscription:
                 self._keeper.start()
             back = self._outgoing_locked()
         if back:
-            self._release(back)
+            self._hand_back(back)
         return out
+
+    def _hand_back(self, messages: list[Message]) -> None:
+        """Give held messages back to the broker unseen; their next delivery here does not
+        count this one (the broker did: SQS's receive count)."""
+        unseen = self._unseen
+        if len(unseen) > 10_000:  # ids that came back to other consumers: forget them
+            unseen.clear()
+        for msg in messages:
+            unseen[msg.id] = unseen.get(msg.id, 0) + 1
+        self._release(messages)
 
     def _outgoing_locked(self) -> list[Message]:
         """Held messages the gate gives back to the broker (``key_gate="hand_back"``)."""
@@ -627,7 +643,7 @@ class Subscription:
             ready = gate.ready(now, limit)
             back = self._outgoing_locked()
         if back:
-            self._release(back)
+            self._hand_back(back)
         out: list[Message] = []
         for i, msg in enumerate(ready):
             try:
@@ -683,7 +699,7 @@ class Subscription:
         with self._lock:
             back = self._outgoing_locked()
         if back:
-            self._release(back)
+            self._hand_back(back)
         with self._lock:
             return len(gate)
 
@@ -716,7 +732,7 @@ class Subscription:
                     gate.returned(msg, until)
             out = self._outgoing_locked()
         if out:
-            self._release(out)
+            self._hand_back(out)
 
     def _gate_forget(self, delivery: Delivery) -> None:
         """A delivery nobody is shown (dead-lettered or expired on receipt) will not come

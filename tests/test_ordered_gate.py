@@ -68,6 +68,16 @@ def _publish(mq: mqabstract.Broker, *items: str) -> None:
         mq.publish("t.o", item, key=item.split(":")[0])
 
 
+class _LockedGroups(_Loose):
+    """As SQS FIFO declares itself: held messages go back with a head that goes back."""
+
+    name = "lockedgroups"
+    CAPABILITIES = dataclasses.replace(MemoryDriver.CAPABILITIES, key_gate="hand_back")
+
+
+mqabstract.register("lockedgroups", _LockedGroups)
+
+
 # -- the toolkit piece on its own -----------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class _M:
@@ -350,3 +360,19 @@ def test_asyncio_api_keeps_the_rule(clock: FakeClock) -> None:
             assert a2.value == "a:2"
 
     asyncio.run(main())
+
+
+def test_hand_back_does_not_spend_the_held_ones_attempts(clock: FakeClock) -> None:
+    with mqabstract.connect(f"lockedgroups://{uuid.uuid4().hex}", clock=clock) as mq:
+        sub = mq.subscribe("g", "t.#", ordered=True, lease=LEASE, max_attempts=2)
+        _publish(mq, "a:1", "a:2", "a:3")
+        for attempt in (1, 2):  # the head fails twice: dead-lettered on its final attempt
+            [head] = sub.receive(10, wait=1)
+            assert (head.value, head.attempt) == ("a:1", attempt)
+            head.nack()  # the held a:2 and a:3 go back with it, unseen
+        for body in ("a:2", "a:3"):  # never dead-lettered for receives nobody saw
+            [msg] = sub.receive(10, wait=1)
+            assert (msg.value, msg.attempt) == (body, 1)
+            msg.ack()
+        assert [d.id for d in mq.dead_letters("g")] != []
+
