@@ -260,8 +260,9 @@ def test_ordered_key_one_at_a_time_across_consumers(mq_ctx: Ctx) -> None:
     nothing_while(holder, again)
     again.ack()
     _, third = take(mq_ctx.wait)
-    # (attempt 2 where the broker keeps a key behind any of its messages that is out: SQS
-    # FIFO; "3" was received beside "2" and handed back with it: Capabilities.key_gate)
+    # (attempt 2 where the broker keeps a key behind any of its messages that is out, SQS
+    # FIFO, and the other consumer gets it: "3" was received beside "2" and handed back
+    # with it, and the broker counted that receive: Capabilities.key_gate)
     assert third.value == "3" and third.attempt <= 2, (third.value, third.attempt)
     third.ack()
 
