@@ -207,6 +207,7 @@ class SQLiteDriver(Driver):
         min_lease=0.05,
         shared_between_processes=True,
         durable=True,
+        key_gate="broker",  # a key's later rows wait behind its unsettled head
     )
     OPTIONS: ClassVar[dict[str, Option]] = {
         "busy_timeout": Option(

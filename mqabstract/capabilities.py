@@ -68,6 +68,8 @@ PORTABLE = {Feature.TTL: Support.EMULATED, Feature.REQUEST_REPLY: Support.EMULAT
 #: ``GroupStats`` counts a backend may report, and how it knows them.
 STAT_COUNTS = ("ready", "leased", "delayed", "dead", "lag")
 STAT_KINDS = ("exact", "approximate")
+#: ``Capabilities.key_gate`` values.
+KEY_GATES = ("broker", "hold", "hand_back")
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,14 @@ class Capabilities:
     stats: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("ready", "leased", "delayed", "dead"), "exact"))
     lists_groups: bool = True  #: ``Broker.groups()`` works (else ``Unsupported``)
+    #: how ordered groups keep one message of a key at a time (``KEY_GATES``): "broker"
+    #: (the broker never hands out a key's next message while an earlier one is out:
+    #: memory, SQLite), "hold" (it hands a consumer a key's messages in order, several at
+    #: once, and what goes back comes back to that consumer: the portable layer holds the
+    #: later ones until the key is free; RabbitMQ, Kafka), "hand_back" (as "hold", but the
+    #: broker keeps a key's messages behind any of them that is out, so when one goes back
+    #: the held ones go back too: SQS FIFO). See ``mqabstract.emulation.ordering``.
+    key_gate: str = "hold"
     notes: Mapping[Feature, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +125,8 @@ class Capabilities:
         object.__setattr__(self, "features", MappingProxyType(dict(self.features)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
         object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
+        if self.key_gate not in KEY_GATES:
+            raise ValueError(f"key_gate must be one of {KEY_GATES}, not {self.key_gate!r}")
         unknown = set(self.stats) - set(STAT_COUNTS) or set(self.stats.values()) - set(
             STAT_KINDS)
         if unknown:

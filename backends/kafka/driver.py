@@ -217,7 +217,7 @@ class KafkaDriver(Driver):
             Feature.NACK_DELAY: Support.EMULATED,
             Feature.DELAY: Support.EMULATED,
             Feature.PRIORITY: Support.UNSUPPORTED,
-            Feature.ORDERING: Support.NATIVE,
+            Feature.ORDERING: Support.EMULATED,
             Feature.DEAD_LETTER: Support.EMULATED,
             Feature.BATCH: Support.NATIVE,
         },
@@ -243,6 +243,9 @@ class KafkaDriver(Driver):
         # committed offsets against the end offsets (as Kafka tools report it).
         stats={"dead": "exact", "lag": "exact"},
         notes={
+            Feature.ORDERING: "a key's records are in its partition's order; one at a time "
+            "is the portable layer's gate, and a nacked or expired record of an ordered "
+            "group is re-published to a retry partition of the same member",
             Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
             "partitions by priority would only reorder what one consumer has fetched",
         },

@@ -128,7 +128,7 @@ class SQSDriver(Driver):
             Feature.NACK_DELAY: Support.NATIVE,
             Feature.DELAY: Support.EMULATED,
             Feature.PRIORITY: Support.UNSUPPORTED,
-            Feature.ORDERING: Support.NATIVE,
+            Feature.ORDERING: Support.EMULATED,
             Feature.DEAD_LETTER: Support.EMULATED,
             Feature.BATCH: Support.NATIVE,
         },
@@ -145,10 +145,17 @@ class SQSDriver(Driver):
         # under the full CI load a frozen holder's messages came back 3.4 s past the lease.
         release_margin=5.0,
         max_receive=BATCH,
+        # FIFO: one receive may bring several messages of a message group (in order), and
+        # the group stays locked while any of them is out
+        key_gate="hand_back",
         # SQS's own estimates; a delayed message counts as ready until a receive moves it
         # into its wait (SNS cannot delay a delivery)
         stats=dict.fromkeys(("ready", "leased", "delayed", "dead"), "approximate"),
         notes={
+            Feature.ORDERING: (
+                "FIFO queues (MessageGroupId = key); a receive may bring several messages "
+                "of a group: the portable layer's gate hands out one at a time"
+            ),
             Feature.PRIORITY: (
                 "SQS has no priority and receives from a standard queue are sampled, so "
                 "queue-per-level polling cannot guarantee higher-first; use separate groups"
