@@ -318,6 +318,7 @@ class MemoryDriver(Driver):
         min_lease=0.01,
         shared_between_processes=False,
         durable=False,
+        key_gate="broker",  # a FIFO per key, only its head deliverable
     )
 
     def __init__(self, hub: _Hub) -> None:

@@ -40,14 +40,13 @@ from mqabstract import wire
 from mqabstract.capabilities import Capabilities
 from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.emulation.sqlitedb import immediate, open_wal, retry_busy
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
     InvalidArgument,
     InvalidURL,
-    MQError,
     NotFound,
-    Timeout,
 )
 from mqabstract.model import Columns, DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
 from mqabstract.names import pattern_regex
@@ -135,7 +134,6 @@ _PROMOTE = "UPDATE mq_queue SET state = 0 WHERE gid = ? AND state <> 0 AND due <
 _NEXT_DUE = "SELECT min(due) FROM mq_queue WHERE gid = ? AND state <> 0"
 _DEAD_COLUMNS = "gid, id, topic, key, priority, published_at, headers, body"
 
-_BUSY = re.compile(r"locked|busy", re.IGNORECASE)
 _SYNC = {"normal": "NORMAL", "full": "FULL", "extra": "EXTRA"}
 
 
@@ -209,6 +207,7 @@ class SQLiteDriver(Driver):
         min_lease=0.05,
         shared_between_processes=True,
         durable=True,
+        key_gate="broker",  # a key's later rows wait behind its unsettled head
     )
     OPTIONS: ClassVar[dict[str, Option]] = {
         "busy_timeout": Option(
@@ -268,10 +267,9 @@ class SQLiteDriver(Driver):
         except OSError as exc:
             raise ConnectionFailed(f"cannot create the directory for {where}: {exc}") from exc
         try:
-            conn = sqlite3.connect(
-                str(self.path), timeout=self.busy_timeout, isolation_level=None,
-                check_same_thread=False, cached_statements=64,
-            )
+            conn = open_wal(str(self.path), timeout=self.busy_timeout,
+                            what=f"sqlite open {where}", synchronous=self.synchronous,
+                            cached_statements=64)
         except sqlite3.Error as exc:
             raise ConnectionFailed(f"cannot open {where}: {exc}") from exc
         try:
@@ -282,11 +280,6 @@ class SQLiteDriver(Driver):
         return conn
 
     def _init_schema(self, conn: sqlite3.Connection) -> None:
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise ConnectionFailed(f"{self.url} cannot use WAL mode (journal_mode={mode})")
-        conn.execute(f"PRAGMA synchronous={self.synchronous}")
-        conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
@@ -294,56 +287,29 @@ class SQLiteDriver(Driver):
             raise ConnectionFailed(
                 f"{self.url} was written by a newer mqabstract (schema {version})"
             )
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with immediate(conn):
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     conn.execute(stmt)
             conn.execute("INSERT OR IGNORE INTO mq_meta VALUES ('groups', 0)")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-
-    def _error(self, exc: sqlite3.Error, what: str) -> MQError:
-        where = self.url.redacted()
-        if isinstance(exc, sqlite3.OperationalError) and _BUSY.search(str(exc)):
-            return Timeout(f"sqlite {what}: {where} stayed locked by another writer "
-                           f"for over {self.busy_timeout:g}s ({exc})")
-        return ConnectionFailed(f"sqlite {what} on {where} failed: {exc}")
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn``; on ``database is locked`` retry with backoff until busy_timeout."""
-        deadline = time.monotonic() + self.busy_timeout
-        pause = 0.002
-        while True:
-            try:
-                return fn()
-            except sqlite3.OperationalError as exc:
-                if not _BUSY.search(str(exc)) or time.monotonic() >= deadline:
-                    raise self._error(exc, what) from exc
-            except sqlite3.Error as exc:
-                raise self._error(exc, what) from exc
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        """Run ``fn``, waiting out other writers (the toolkit's ``retry_busy``); any other
+        sqlite error becomes ``ConnectionFailed`` naming the redacted URL."""
+        where = self.url.redacted()
+        try:
+            return retry_busy(fn, timeout=self.busy_timeout, what=f"sqlite {what} on {where}")
+        except sqlite3.Error as exc:
+            raise ConnectionFailed(f"sqlite {what} on {where} failed: {exc}") from exc
 
     def _write(self, fn: Callable[[sqlite3.Connection], T], what: str,
                wake: Collection[int] = ()) -> T:
         """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction (whole thing retried on busy)."""
 
         def txn() -> T:
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(conn)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            return result
+            with immediate(self._conn) as conn:
+                return fn(conn)
 
         with self._lock:
             self._check_open()
@@ -590,7 +556,8 @@ class SQLiteDriver(Driver):
             try:
                 self._conn.close()
             except sqlite3.Error as exc:
-                raise self._error(exc, "close") from exc
+                raise ConnectionFailed(f"sqlite close of {self.url.redacted()} failed: "
+                                       f"{exc}") from exc
         self._shared.wake()  # receivers of this driver notice the close
 
 

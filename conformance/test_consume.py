@@ -83,3 +83,35 @@ def test_stop_hands_back_unstarted_messages_at_once(mq_ctx: Ctx) -> None:
     rest = mq_ctx.drain(sub, len(ids) - len(done))
     assert sorted([m.id for m in rest] + done) == sorted(ids)
     mq_ctx.expect_none(sub)
+
+
+def test_ordered_keys_one_handler_at_a_time_in_publish_order(mq_ctx: Ctx) -> None:
+    """concurrency=4 over an ordered group: keys run side by side, one handler per key at
+    a time, each key's messages in publish order (the loop does nothing per key: receive
+    never hands out a key's next message while the previous is unsettled)."""
+    mq_ctx.require(Feature.ORDERING)
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), ordered=True)
+    keys, per_key = ("a", "b", "c"), 6
+    mq_ctx.broker.publish_batch([{"topic": mq_ctx.topic("o"), "body": f"{k}:{i}", "key": k}
+                                 for i in range(per_key) for k in keys])
+    lock = threading.Lock()
+    running = dict.fromkeys(keys, 0)
+    overlaps: list[str] = []
+    seen: dict[str, list[int]] = {k: [] for k in keys}
+
+    def handler(msg: mqabstract.Message) -> None:
+        key, _, n = msg.value.partition(":")
+        with lock:
+            running[key] += 1
+            if running[key] > 1:
+                overlaps.append(msg.value)
+            seen[key].append(int(n))
+        time.sleep(0.02)
+        with lock:
+            running[key] -= 1
+
+    stats = sub.consume(handler, concurrency=4, max_messages=len(keys) * per_key,
+                        idle_timeout=mq_ctx.wait, wait=0.5)
+    assert stats.acked == len(keys) * per_key, stats
+    assert not overlaps, f"two handlers of one key at once: {overlaps}"
+    assert seen == {k: list(range(per_key)) for k in keys}, seen

@@ -122,3 +122,22 @@ def test_declared_group_keeps_messages_until_consumer_attaches(mq_ctx: Ctx) -> N
 def test_publish_to_topic_without_groups_succeeds(mq_ctx: Ctx) -> None:
     assert mq_ctx.broker.publish(mq_ctx.topic("nobody", "listens"), b"x")
     assert mq_ctx.broker.publish_batch([(mq_ctx.topic("nobody"), b"y")])
+
+
+@pytest.mark.parametrize("call", ["declare", "subscribe"])
+def test_unknown_group_keyword_is_refused_before_declaring(mq_ctx: Ctx, call: str) -> None:
+    """A typo (``leas=5``) used to be accepted silently and the group ran with the default
+    lease; now it is ``InvalidArgument`` naming the closest keyword, and nothing is made:
+    a correct declaration afterwards gets the lease it asks for."""
+    import mqabstract
+
+    fn = mq_ctx.declare if call == "declare" else mq_ctx.subscribe
+    with pytest.raises(mqabstract.InvalidArgument, match=r"leas\b.*did you mean lease"):
+        fn("typo", mq_ctx.pattern("#"), leas=5)
+    with pytest.raises(mqabstract.InvalidArgument, match="bogus_option"):
+        fn("typo", mq_ctx.pattern("#"), bogus_option=1)
+    sub = mq_ctx.subscribe("typo", mq_ctx.pattern("#"), lease=5)
+    mq_ctx.broker.publish(mq_ctx.topic("x"), b"x")
+    [msg] = mq_ctx.drain(sub, 1, ack=False)
+    assert 0 < msg.lease_remaining <= 5
+    msg.ack()

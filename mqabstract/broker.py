@@ -36,6 +36,7 @@ from .consuming import (
 )
 from .dedupe import DedupeStore
 from .driver import Driver, DriverSubscription
+from .emulation.ordering import RETURN_PATIENCE, KeyGate
 from .errors import (
     AlreadySettled,
     Closed,
@@ -59,6 +60,7 @@ from .model import (
     OutgoingMessage,
     utc,
 )
+from .options import check_options
 from .requests import REPLY_PREFIX, ReplyRoute
 from .typed import Model
 from .url import BrokerURL, redact
@@ -74,6 +76,8 @@ _CORRELATION_ID = wire.CORRELATION_ID
 #: What a group does with a message whose TTL ended before delivery (``declare(expired=)``).
 EXPIRED_CHOICES = ("dead_letter", "drop")
 _UNDECODED = object()
+#: Longest driver wait inside ``receive`` while the ordered-key gate holds messages.
+_HELD_POLL = 0.05
 
 
 def _ttl_ended(text: str, now: float) -> bool:
@@ -83,6 +87,10 @@ def _ttl_ended(text: str, now: float) -> bool:
     except ValueError:
         return False
 
+
+#: The keywords ``declare`` / ``subscribe`` take themselves (named in an unknown-option
+#: error beside the driver's ``GROUP_OPTIONS``).
+_GROUP_KEYWORDS = ("expired", "lease", "max_attempts", "model", "ordered", "priority")
 
 class _IdSource:
     """Unique message ids: 80 random bits per process + a 48-bit counter, as 32 hex chars.
@@ -467,6 +475,18 @@ class Subscription:
         # replies (a correlation id on a mq-reply. topic) are for one requester, so this
         # group acks its copies away unseen.
         self._skips_replies = spec.pattern.split(".", 1)[0] in ("#", "*")
+        # Ordered groups on a broker that would hand out a key's next message while an
+        # earlier one is out: the gate holds the later ones back (one rule, kept here).
+        caps = broker.capabilities
+        self._gate: KeyGate[Message] | None = (
+            KeyGate(max(2 * spec.lease, RETURN_PATIENCE), hand_back=caps.key_gate == "hand_back")
+            if spec.ordered and caps.key_gate != "broker" else None)
+        self._can_extend = caps.supports(Feature.LEASE_EXTEND)
+        self._keeper: threading.Thread | None = None
+        self._keeper_stop = threading.Event()
+        # Held messages handed back unseen (key_gate="hand_back") -> how many times: the
+        # broker counted those receives as deliveries; the application never saw them.
+        self._unseen: dict[str, int] = {}
 
     @property
     def group(self) -> str:
@@ -507,38 +527,60 @@ class Subscription:
         # deadline is never earlier than ours. Each driver call waits at most a quarter of
         # the lease, so a message is handed over with at least 3/4 of its lease left.
         step = max(caps.min_lease, spec.lease / 4)
+        gate = self._gate
         while True:
+            span = step
+            if gate is not None and len(gate):
+                out += self._unhold(max_messages - len(out))
+                if len(out) >= max_messages:
+                    break
+                # Another thread's settle frees a held key: short driver waits see it soon.
+                span = min(step, _HELD_POLL)
             remaining = max(0.0, deadline - time.monotonic())
             want = min(max_messages - len(out), caps.max_receive)
             lease_deadline = self._broker._monotonic() + spec.lease
             with self._broker._guard:
-                batch = self._inner.receive(want, min(remaining, step))
+                batch = self._inner.receive(want, 0.0 if out else min(remaining, span))
             late = bool(batch) and self._broker._monotonic() >= lease_deadline
             if late:
                 # The driver call outlasted the lease (a stalled broker call, a frozen
-                # process): every settle would raise, so nobody sees these; the backend
-                # delivers them again once its own lease on them ends.
+                # process): nobody sees these and nothing settles them — not even the
+                # portable layer's own dead-lettering of an exhausted or expired one, a
+                # settle after the deadline that used to reach the broker (SQS then moved
+                # a message twice). The backend delivers them again once its lease ends.
                 log.warning("receive from group %r returned %d messages after their lease "
                             "ended; they are delivered again", spec.name, len(batch))
+                if out or self._closed or time.monotonic() >= deadline:
+                    break
+                continue
             now = None
             fresh: list[Message] = []
             ended: list[Delivery] = []
             replies: list[Delivery] = []
+            unseen = self._unseen
             for delivery in batch:
+                if unseen and delivery.id in unseen:
+                    delivery.attempt = max(1, delivery.attempt - unseen.pop(delivery.id))
                 if (self._skips_replies and delivery.topic.startswith(REPLY_PREFIX)
                         and delivery.headers and _CORRELATION_ID in delivery.headers):
                     replies.append(delivery)
                     continue
                 if dead_letters and delivery.attempt > spec.max_attempts:
-                    self._expire(delivery)
+                    if self._broker._monotonic() < lease_deadline:  # else: it comes again
+                        self._expire(delivery)
+                        if gate is not None:
+                            self._gate_forget(delivery)
                     continue
                 if delivery.headers and _EXPIRES_AT in delivery.headers:
                     now = now or self._broker._now()
                     if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
                         ended.append(delivery)
+                        if gate is not None:
+                            self._gate_forget(delivery)
                         continue
-                if not late:
-                    fresh.append(Message(delivery, self, lease_deadline))
+                fresh.append(Message(delivery, self, lease_deadline))
+            if (replies or ended) and self._broker._monotonic() >= lease_deadline:
+                replies, ended = [], []  # too late to settle them: they come again
             if replies:
                 try:
                     self._ack_away(replies)
@@ -547,13 +589,15 @@ class Subscription:
                               spec.name, len(replies), exc)
             if ended:
                 self._ttl_ended(ended, dead_letters)
-            if (replies or ended) and fresh and self._broker._monotonic() >= lease_deadline:
+            if fresh and self._broker._monotonic() >= lease_deadline:
                 # Settling the others took the rest of the lease (a backlog of expired
                 # messages on a slow broker): as for a late receive.
                 log.warning("receive from group %r: %d messages outlived their lease "
-                            "while %d others were settled; they are delivered again",
-                            spec.name, len(fresh), len(ended) + len(replies))
+                            "while others were settled; they are delivered again",
+                            spec.name, len(fresh))
                 fresh = []
+            if gate is not None and fresh:
+                fresh = self._admit(fresh)
             out += fresh
             if out or self._closed or time.monotonic() >= deadline:
                 break
@@ -563,6 +607,151 @@ class Subscription:
             if chain.receivers:
                 chain.received(self, out, started)
         return out
+
+    # -- the ordered-key gate (groups declared ordered=True on brokers that would hand out
+    # a key's next message while an earlier one is out: Capabilities.key_gate) -----------
+    def _admit(self, fresh: list[Message]) -> list[Message]:
+        """Received messages through the gate: those that go out now (the rest are held,
+        their leases renewed by the keeper thread until their key is free)."""
+        gate = self._gate
+        assert gate is not None
+        now = self._broker._monotonic()
+        with self._lock:
+            out = [m for m in fresh if gate.admit(m, now)]
+            if len(gate) and (self._keeper is None or not self._keeper.is_alive()):
+                self._keeper = threading.Thread(
+                    target=self._keep, name=f"mqabstract-held-{self.spec.name}", daemon=True)
+                self._keeper.start()
+            back = self._outgoing_locked()
+        if back:
+            self._hand_back(back)
+        return out
+
+    def _hand_back(self, messages: list[Message]) -> None:
+        """Give held messages back to the broker unseen; their next delivery here does not
+        count this one (the broker did: SQS's receive count)."""
+        unseen = self._unseen
+        if len(unseen) > 10_000:  # ids that came back to other consumers: forget them
+            unseen.clear()
+        for msg in messages:
+            unseen[msg.id] = unseen.get(msg.id, 0) + 1
+        self._release(messages)
+
+    def _outgoing_locked(self) -> list[Message]:
+        """Held messages the gate gives back to the broker (``key_gate="hand_back"``)."""
+        gate = self._gate
+        if gate is None or not gate.outgoing:
+            return []
+        out, gate.outgoing = gate.outgoing, []
+        return out
+
+    def _unhold(self, limit: int) -> list[Message]:
+        """Held messages whose key became free, each with a fresh lease from now (one
+        whose lease is gone is never handed out: it comes again, first of its key)."""
+        gate = self._gate
+        assert gate is not None
+        now = self._broker._monotonic()
+        with self._lock:
+            ready = gate.ready(now, limit)
+            back = self._outgoing_locked()
+        if back:
+            self._hand_back(back)
+        out: list[Message] = []
+        for i, msg in enumerate(ready):
+            try:
+                renewed = self._renew(msg)
+            except BaseException:
+                with self._lock:
+                    for rest in reversed(ready[i:]):
+                        gate.put_back(rest)
+                if out:
+                    with self._lock:
+                        self._unsettled.update(out)
+                raise
+            if renewed:
+                out.append(msg)
+            else:
+                with self._lock:
+                    gate.returned(msg, now + gate.patience)
+        return out
+
+    def _renew(self, msg: Message) -> bool:
+        """Renew a held message's lease for a whole lease from now; False when it is gone
+        (without lease extend: whether its first lease still runs)."""
+        broker = self._broker
+        now = broker._monotonic()
+        if now >= msg._deadline or not self._can_extend:  # the lease rule: ours ended
+            return now < msg._deadline
+        renewed = now + self.spec.lease  # read before the driver renews
+        try:
+            with broker._guard:
+                self._inner.extend(msg._receipt, self.spec.lease)
+        except LeaseExpired:
+            return False
+        msg._deadline = renewed
+        return True
+
+    def _renew_held(self) -> int:
+        """Renew the leases of held messages with less than half a lease left, so their
+        broker lease never runs out while they wait; returns how many are held."""
+        gate = self._gate
+        assert gate is not None
+        now = self._broker._monotonic()
+        with self._lock:
+            due = gate.renewals(now, self.spec.lease / 2)
+        for msg in due:
+            try:
+                kept = self._renew(msg)
+            except MQError as exc:  # the broker away for a moment: the next tick retries
+                log.debug("renewing a held message of group %r: %s", self.spec.name, exc)
+                continue
+            if not kept:
+                with self._lock:
+                    gate.lost(msg, now + gate.patience)
+        with self._lock:
+            back = self._outgoing_locked()
+        if back:
+            self._hand_back(back)
+        with self._lock:
+            return len(gate)
+
+    def _keep(self) -> None:
+        """The keeper thread: renews held leases every quarter lease while any are held."""
+        tick = min(max(self.spec.lease / 4, 0.01), 5.0)
+        while not self._keeper_stop.wait(tick):
+            try:
+                if not self._renew_held():
+                    with self._lock:
+                        if self._gate is None or not len(self._gate):
+                            self._keeper = None
+                            return
+            except Exception as exc:  # e.g. Closed while closing
+                log.debug("keeper of group %r: %s", self.spec.name, exc)
+
+    def _ungate(self, messages: Iterable[Message], back: float | None) -> None:
+        """Settled: ``back`` None, done (acked, dead-lettered): the key is free; else the
+        message comes again after ``back`` seconds and its key waits for it."""
+        gate = self._gate
+        if gate is None:
+            return
+        with self._lock:
+            if back is None:
+                for msg in messages:
+                    gate.done(msg)
+            else:
+                until = self._broker._monotonic() + back + gate.patience
+                for msg in messages:
+                    gate.returned(msg, until)
+            out = self._outgoing_locked()
+        if out:
+            self._hand_back(out)
+
+    def _gate_forget(self, delivery: Delivery) -> None:
+        """A delivery nobody is shown (dead-lettered or expired on receipt) will not come
+        again: its key stops waiting for it."""
+        assert self._gate is not None
+        with self._lock:
+            self._gate.gone(delivery.key, delivery.id)
 
     def _ttl_ended(self, deliveries: Sequence[Delivery], dead_letters: bool) -> None:
         """Their TTL ended before this group received them: never delivered; dead-lettered
@@ -667,6 +856,8 @@ class Subscription:
                         msg._state = None
                         self._unsettled.add(msg)
                 raise
+            if self._gate is not None:
+                self._ungate(todo, None)
         if late:
             self._gone(newly_late)
             raise _ran_out(late)
@@ -686,14 +877,17 @@ class Subscription:
             reason = f"nacked on final attempt ({msg.attempt} of {self.spec.max_attempts})"
             with self._settling("dead_letter", lambda: (msg,)):
                 self._inner.dead_letter(msg._receipt, reason, msg.attempt)
+            self._ungate((msg,), None)
         else:
             with self._settling("nack", lambda: (msg,)):
                 self._inner.nack(msg._receipt, delay)
+            self._ungate((msg,), delay)
 
     def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None:
         self._forget(msg)
         with self._settling("dead_letter", lambda: (msg,)):
             self._inner.dead_letter(msg._receipt, reason[:1000], attempts)
+        self._ungate((msg,), None)
 
     def _extend(self, msg: Message, seconds: object) -> None:
         self._check_open()
@@ -826,9 +1020,12 @@ class Subscription:
         if self._closed:
             return
         self._stop.set()
+        self._keeper_stop.set()
         with self._lock:
             pending = list(self._unsettled)
             self._unsettled.clear()
+            # Held ones go back after their key's head, in their order.
+            pending += self._gate.drain() if self._gate is not None else ()
         self._release(pending)
         self._closed = True
         self._broker._forget(self)
@@ -850,6 +1047,8 @@ class Subscription:
                     self._inner.nack(msg._receipt, 0.0)
             except Exception as exc:  # the connection may be gone; leases expire anyway
                 log.debug("release of %s failed: %s", msg.id, redact(str(exc)))
+                continue
+            self._ungate((msg,), 0.0)
 
     def __enter__(self) -> Subscription:
         return self
@@ -1317,8 +1516,10 @@ class Broker:
             self._require(Feature.ORDERING)
         if priority:
             self._require(Feature.PRIORITY)
+        checked = check_options(options, self._driver.GROUP_OPTIONS,
+                                f"{self._driver.name} group option", also=_GROUP_KEYWORDS)
         return GroupSpec(group, pattern, max_attempts, lease, bool(ordered), bool(priority),
-                         dict(options), expired)
+                         checked, expired)
 
     def declare(
         self,

@@ -68,6 +68,8 @@ PORTABLE = {Feature.TTL: Support.EMULATED, Feature.REQUEST_REPLY: Support.EMULAT
 #: ``GroupStats`` counts a backend may report, and how it knows them.
 STAT_COUNTS = ("ready", "leased", "delayed", "dead", "lag")
 STAT_KINDS = ("exact", "approximate")
+#: ``Capabilities.key_gate`` values.
+KEY_GATES = ("broker", "hold", "hand_back")
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,22 @@ class Capabilities:
     max_consumers_per_group: int | None = None  #: None = unlimited (Kafka: partitions)
     shared_between_processes: bool = True  #: False for memory://
     durable: bool = True  #: messages survive a broker restart
+    #: what a confirmed publish survives, in words, as configured (empty: not stated
+    #: beyond ``durable``)
+    confirmed_survives: str = ""
     #: which ``GroupStats`` counts ``stats()`` reports, and how: "exact" (the broker's own
     #: count, by any process), "approximate" (the broker's estimate); absent ones are None
     stats: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("ready", "leased", "delayed", "dead"), "exact"))
     lists_groups: bool = True  #: ``Broker.groups()`` works (else ``Unsupported``)
+    #: how ordered groups keep one message of a key at a time (``KEY_GATES``): "broker"
+    #: (the broker never hands out a key's next message while an earlier one is out:
+    #: memory, SQLite), "hold" (it hands a consumer a key's messages in order, several at
+    #: once, and what goes back comes back to that consumer: the portable layer holds the
+    #: later ones until the key is free; RabbitMQ, Kafka), "hand_back" (as "hold", but the
+    #: broker keeps a key's messages behind any of them that is out, so when one goes back
+    #: the held ones go back too: SQS FIFO). See ``mqabstract.emulation.ordering``.
+    key_gate: str = "hold"
     notes: Mapping[Feature, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -112,6 +125,8 @@ class Capabilities:
         object.__setattr__(self, "features", MappingProxyType(dict(self.features)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
         object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
+        if self.key_gate not in KEY_GATES:
+            raise ValueError(f"key_gate must be one of {KEY_GATES}, not {self.key_gate!r}")
         unknown = set(self.stats) - set(STAT_COUNTS) or set(self.stats.values()) - set(
             STAT_KINDS)
         if unknown:

@@ -108,6 +108,8 @@ def capability_table_text(name: str, caps: Capabilities) -> str:
     label_width = max(len(label) for label, _ in _LIMITS)
     for label, fmt in _LIMITS:
         lines.append(f"{label:<{label_width}}  {fmt(caps)}")
+    if caps.confirmed_survives:
+        lines += ["", f"a confirmed publish survives: {caps.confirmed_survives}"]
     return "\n".join(lines) + "\n"
 
 

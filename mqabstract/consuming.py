@@ -81,17 +81,18 @@ class ConsumeStats:
 
 class Flight:
     """The messages a consume loop holds (leased, not yet finished): at most ``limit``;
-    at most ``concurrency`` of them running; in an ordered group one running per key, the
-    key's later messages waiting in arrival order. Not locked: the sync loop guards it
-    with its condition, the asyncio loop touches it from one thread."""
+    at most ``concurrency`` of them running. In an ordered group ``receive`` never hands
+    out a key's next message before the previous one is settled (the broker or the
+    portable layer's gate, ``mqabstract.emulation.ordering``), so a key never has two
+    handlers at once without anything here. Not locked: the sync loop guards it with its
+    condition, the asyncio loop touches it from one thread."""
 
-    def __init__(self, concurrency: int, limit: int, ordered: bool) -> None:
-        self.concurrency, self.limit, self.ordered = concurrency, limit, ordered
+    def __init__(self, concurrency: int, limit: int) -> None:
+        self.concurrency, self.limit = concurrency, limit
         self.held: dict[int, Message] = {}  # id(msg) -> msg
         self.running: dict[int, Message] = {}
         self.settling: set[int] = set()  # handler returned, settle in progress
         self.ready: deque[Message] = deque()  # may start as soon as a slot frees
-        self.blocked: dict[str, deque[Message]] = {}  # busy key -> its later messages
 
     def room(self) -> int:
         """How many more messages may be leased now."""
@@ -103,24 +104,14 @@ class Flight:
         room = self.room()
         return room > 0 and (not self.ready or room >= self.limit // 2)
 
-    def _keyed(self, msg: Message) -> str | None:
-        return msg.key if self.ordered else None
-
     def admit(self, messages: Sequence[Message]) -> None:
         for msg in messages:
             self.held[id(msg)] = msg
-            key = self._keyed(msg)
-            if key is None:
-                self.ready.append(msg)
-            elif key in self.blocked:  # one of its key is ready or running
-                self.blocked[key].append(msg)
-            else:
-                self.blocked[key] = deque()
-                self.ready.append(msg)
+            self.ready.append(msg)
 
     def take(self) -> list[Message]:
         """The messages to start now (marked running). A message being settled leaves its
-        slot to the next handler (its key stays busy until it is finished)."""
+        slot to the next handler."""
         out = []
         while self.ready and len(self.running) - len(self.settling) < self.concurrency:
             msg = self.ready.popleft()
@@ -136,18 +127,11 @@ class Flight:
         return True
 
     def finish(self, msg: Message) -> None:
-        """``msg`` is done (settled or handed back): the next of its key becomes ready."""
+        """``msg`` is done (settled or handed back)."""
         self.settling.discard(id(msg))
         if self.running.pop(id(msg), None) is None:
             return
         del self.held[id(msg)]
-        key = self._keyed(msg)
-        if key is not None:
-            later = self.blocked[key]
-            if later:
-                self.ready.append(later.popleft())
-            else:
-                del self.blocked[key]
 
     def due(self, now: float, margin: float) -> list[Message]:
         """Held messages, not being settled, whose lease ends within ``margin`` seconds."""
@@ -160,8 +144,6 @@ class Flight:
         for msg in out:
             del self.held[id(msg)]
         self.ready.clear()
-        self.blocked = {key: deque() for m in self.running.values()
-                        if (key := self._keyed(m)) is not None}
         return out
 
     def unstart(self, msg: Message) -> list[Message]:
@@ -219,7 +201,7 @@ class ConsumeLoop:
         self.extend_by = spec.lease if (can_extend if auto_extend is None else auto_extend) \
             else None
         self.tick = min(max(spec.lease / 4, 0.01), 5.0)
-        self.flight = Flight(concurrency, max(concurrency, batch), spec.ordered)
+        self.flight = Flight(concurrency, max(concurrency, batch))
         self.stats = ConsumeStats()
         self.last_message = time.monotonic()
         self.failures = 0

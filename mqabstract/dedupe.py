@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from .clock import Clock, SystemClock
-from .errors import Duplicate, InvalidArgument, StoreError, Timeout
+from .emulation.sqlitedb import immediate, open_wal, retry_busy
+from .errors import Duplicate, InvalidArgument, StoreError
 
 if TYPE_CHECKING:
     from .broker import Message
@@ -194,14 +195,8 @@ class SQLiteStore(DedupeStore):
         for conn, lock in stale:  # connections of threads that ended (a consume's pool)
             with lock, contextlib.suppress(sqlite3.Error):
                 conn.close()
-        conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout,
-                               isolation_level=None, check_same_thread=False)
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-        except sqlite3.Error:
-            conn.close()
-            raise
+        conn = open_wal(str(self.path), timeout=self.busy_timeout,
+                        what=f"dedupe store {self.path}: open")
         entry = (conn, threading.RLock())
         with self._lock:
             if self._closed:
@@ -211,12 +206,8 @@ class SQLiteStore(DedupeStore):
         self._local.entry = entry
         return entry
 
-    def _error(self, what: str, exc: sqlite3.Error) -> StoreError | Timeout:
-        text = str(exc)
-        if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
-            return Timeout(f"dedupe store {self.path}: {what}: the file stayed locked for "
-                           f"{self.busy_timeout:g}s")
-        return StoreError(f"dedupe store {self.path}: {what}: {text}")
+    def _error(self, what: str, exc: sqlite3.Error) -> StoreError:
+        return StoreError(f"dedupe store {self.path}: {what}: {exc}")
 
     @contextlib.contextmanager
     def _held(self, what: str) -> Iterator[sqlite3.Connection]:
@@ -231,9 +222,12 @@ class SQLiteStore(DedupeStore):
             yield conn
 
     def _run(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn`` on this thread's connection, waiting out other writers (``Timeout`` after
+        ``busy_timeout``); any other sqlite error is a ``StoreError``."""
         with self._held(what) as conn:
             try:
-                return fn(conn)
+                return retry_busy(lambda: fn(conn), timeout=self.busy_timeout,
+                                  what=f"dedupe store {self.path}: {what}")
             except sqlite3.Error as exc:
                 raise self._error(what, exc) from exc
 
@@ -269,8 +263,9 @@ class SQLiteStore(DedupeStore):
     @contextlib.contextmanager
     def _transaction(self, conn: sqlite3.Connection, key: tuple[str, str]
                      ) -> Iterator[sqlite3.Connection]:
-        try:
-            conn.execute("BEGIN IMMEDIATE")
+        try:  # only the BEGIN is retried: the caller's block runs once
+            retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"), timeout=self.busy_timeout,
+                       what=f"dedupe store {self.path}: transaction")
         except sqlite3.Error as exc:
             raise self._error("transaction", exc) from exc
         try:
@@ -303,17 +298,11 @@ class SQLiteStore(DedupeStore):
         cutoff = (self._time() if now is None else now) - self.retention
 
         def go(c: sqlite3.Connection) -> int:
-            c.execute("BEGIN IMMEDIATE")
-            try:
+            with immediate(c):
                 gone = c.execute("DELETE FROM mq_processed WHERE at <= ?", (cutoff,)).rowcount
                 gone += c.execute(
                     "DELETE FROM mq_processed WHERE seq <= "
                     "(SELECT max(seq) FROM mq_processed) - ?", (self.max_entries,)).rowcount
-                c.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    c.execute("ROLLBACK")
-                raise
             return int(gone)
 
         return self._run("prune", go)

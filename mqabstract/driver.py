@@ -29,6 +29,7 @@ from .capabilities import Capabilities
 from .clock import Clock, SystemClock
 from .errors import Unsupported
 from .model import Columns, DeadLetter, Delivery, Envelope, GroupSpec, GroupStats
+from .options import Option
 from .url import BrokerURL
 
 __all__ = ["Driver", "DriverSubscription"]
@@ -69,6 +70,10 @@ class Driver(abc.ABC):
     name: ClassVar[str] = "driver"
     #: The clock the portable layer and the driver's emulation read (leases, delays).
     clock: Clock = SystemClock()
+    #: Backend-specific keyword options of ``declare`` / ``subscribe`` (none by default):
+    #: the portable layer refuses any other keyword before anything is declared, and the
+    #: driver finds the checked values in ``GroupSpec.options``.
+    GROUP_OPTIONS: ClassVar[Mapping[str, Option]] = {}
 
     @classmethod
     @abc.abstractmethod

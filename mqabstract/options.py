@@ -6,6 +6,7 @@ any connection is made, with the list of options the backend knows.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from .errors import InvalidArgument
 from .url import BrokerURL, _is_secret_param
 
-__all__ = ["Option", "parse_options"]
+__all__ = ["Option", "check_options", "parse_options"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -59,11 +60,21 @@ def parse_options(
     """Merge URL query parameters and keyword options (keywords win) into typed values."""
     merged: dict[str, Any] = dict(url.params)
     merged.update(kwargs)
-    unknown = sorted(set(merged) - set(spec))
+    return check_options(merged, spec, f"{backend} option")
+
+
+def check_options(given: Mapping[str, Any], spec: Mapping[str, Option], what: str,
+                  also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``given`` typed by ``spec``, defaults filled in; an unknown name is refused with
+    the closest known one and the whole list (``also``: names the caller takes itself)."""
+    unknown = sorted(set(given) - set(spec))
     if unknown:
-        known = ", ".join(sorted(spec)) or "none"
-        raise InvalidArgument(f"unknown {backend} option(s) {', '.join(unknown)}; known: {known}")
+        known = sorted({*spec, *also})
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise InvalidArgument(f"unknown {what}(s) {', '.join(unknown)}{hint}; known: "
+                              f"{', '.join(known) or 'none'}")
     out = {name: opt.default for name, opt in spec.items()}
-    for name, raw in merged.items():
+    for name, raw in given.items():
         out[name] = _convert(name, raw, spec[name])
     return out

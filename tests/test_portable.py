@@ -78,6 +78,41 @@ def test_messages_returned_after_their_lease_ended_are_not_handed_out(
     m.ack()
 
 
+@pytest.mark.parametrize("what", ["exhausted", "ttl-ended"])
+def test_a_late_receive_settles_nothing(mq: mqabstract.Broker, clock: FakeClock,
+                                        what: str) -> None:
+    """The portable layer's own settles (dead-lettering a message past max_attempts or
+    past its TTL) are settles too: from a receive that returned after the lease ended they
+    must not reach the driver (on SQS such a late dead-lettering moved a message twice).
+    A timely receive settles them later."""
+    sub = mq.subscribe("g", "a.#", lease=30, max_attempts=1 if what == "exhausted" else 5)
+    mq.publish("a.b", b"x", **({"ttl": 10} if what == "ttl-ended" else {}))
+    if what == "exhausted":
+        [_held] = sub.receive(1, 0)  # attempt 1 of 1, never settled
+        clock.advance(31)
+    else:
+        clock.advance(11)
+    inner = sub._inner  # type: ignore[attr-defined]
+    real_receive, settled = inner.receive, []
+
+    def slow_receive(n: int, wait: float) -> list[object]:
+        got = real_receive(n, wait)
+        clock.advance(31)  # the driver call outlasted the lease
+        return got
+
+    for op in ("dead_letter", "ack"):
+        real = getattr(inner, op)
+        setattr(inner, op, lambda *a, _op=op, _real=real: (settled.append(_op), _real(*a))[1])
+    inner.receive = slow_receive
+    assert sub.receive(1, 0) == []
+    assert settled == [] and mq.dead_letters("g") == []
+    inner.receive = real_receive
+    clock.advance(31)
+    assert sub.receive(1, 0) == []  # a timely receive: now it is dead-lettered
+    [dl] = mq.dead_letters("g")
+    assert dl.reason.startswith("expired" if what == "ttl-ended" else "max attempts")
+
+
 @pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
 def test_driver_reported_lost_lease_leaves_the_message_unsettled(
         mq: mqabstract.Broker, op: str) -> None:

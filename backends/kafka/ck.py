@@ -30,6 +30,7 @@ from .client import (
     Admin,
     Client,
     ClientError,
+    Created,
     Fetched,
     Kind,
     Listener,
@@ -368,7 +369,7 @@ class _Admin(Admin):
             collections.OrderedDict())
 
     def create_topics(self, names: Collection[str], partitions: int, replication: int,
-                      configs: Mapping[str, str]) -> dict[str, ClientError | None]:
+                      configs: Mapping[str, str]) -> dict[str, Created | ClientError]:
         new = [NewTopic(n, num_partitions=partitions, replication_factor=replication,
                         config=dict(configs)) for n in names]
         try:
@@ -376,10 +377,40 @@ class _Admin(Admin):
                                            request_timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
-        out = _outcomes(futures, self.timeout + 5, ("TOPIC_ALREADY_EXISTS",))
-        for err in out.values():
+        out: dict[str, Created | ClientError] = {}
+        for name, err in _outcomes(futures, self.timeout + 5).items():
             if err is not None and err.retriable:
                 raise err  # the driver retries the whole call
+            out[name] = (Created.NEW if err is None else Created.EXISTED
+                         if err.native == "TOPIC_ALREADY_EXISTS" else err)
+        return out
+
+    def cluster_size(self) -> int:
+        # DescribeCluster: the brokers without every topic's metadata (a full listing
+        # costs ~0.1 s on a broker with hundreds of topics).
+        try:
+            future = self.a.describe_cluster(request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        return len(_result(future, self.timeout + 5).nodes)
+
+    def replication(self, names: Collection[str]) -> dict[str, int]:
+        # DescribeTopics (not a metadata request naming the topic: that may create it).
+        try:
+            futures = self.a.describe_topics(ck.TopicCollection(list(names)),
+                                             request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        out: dict[str, int] = {}
+        for name, future in futures.items():
+            try:
+                desc = _result(future, self.timeout + 5)
+            except ClientError as err:
+                if err.native == "UNKNOWN_TOPIC_OR_PART":
+                    continue
+                raise
+            if desc.partitions:
+                out[name] = min(len(p.replicas) for p in desc.partitions)
         return out
 
     def list_topics(self) -> set[str]:

@@ -23,8 +23,9 @@ from typing import NamedTuple, Protocol
 
 from mqabstract import wire
 
-__all__ = ["TP", "Admin", "Client", "ClientError", "Fetched", "Kind", "Member", "Mover",
-           "Outgoing", "Pending", "Producer", "Reader", "Settings", "available", "load"]
+__all__ = ["TP", "Admin", "Client", "ClientError", "Created", "Fetched", "Kind", "Member",
+           "Mover", "Outgoing", "Pending", "Producer", "Reader", "Settings", "available",
+           "load"]
 
 
 class TP(NamedTuple):
@@ -45,6 +46,13 @@ class Kind(enum.Enum):
     BAD_SESSION = "bad_session"  # the broker refuses the session timeout
     FATAL = "fatal"  # this producer can send nothing more: make a new one
     OTHER = "other"  # not retriable, about the request
+
+
+class Created(enum.Enum):
+    """What ``Admin.create_topics`` did with a topic it did not fail on."""
+
+    NEW = "new"  # created by this call, as asked
+    EXISTED = "existed"  # there already (its partitions and replication are whatever they are)
 
 
 class ClientError(Exception):
@@ -184,8 +192,18 @@ class Admin(abc.ABC):
 
     @abc.abstractmethod
     def create_topics(self, names: Collection[str], partitions: int, replication: int,
-                      configs: Mapping[str, str]) -> dict[str, ClientError | None]:
-        """Create topics; an existing one counts as created (None)."""
+                      configs: Mapping[str, str]) -> dict[str, Created | ClientError]:
+        """Create topics (``replication`` -1: the broker's default); per name, whether it is
+        new, existed already, or why it could not be created."""
+
+    @abc.abstractmethod
+    def cluster_size(self) -> int:
+        """How many brokers the cluster metadata lists (the live, unfenced ones)."""
+
+    @abc.abstractmethod
+    def replication(self, names: Collection[str]) -> dict[str, int]:
+        """Per existing topic of ``names``, the fewest replicas any of its partitions has
+        (topics the metadata does not describe are left out). Never creates a topic."""
 
     @abc.abstractmethod
     def list_topics(self) -> set[str]: ...

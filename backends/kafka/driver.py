@@ -30,7 +30,18 @@ from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 
 from . import client as _client
-from .client import TP, Admin, Client, ClientError, Fetched, Kind, Outgoing, Producer, Settings
+from .client import (
+    TP,
+    Admin,
+    Client,
+    ClientError,
+    Created,
+    Fetched,
+    Kind,
+    Outgoing,
+    Producer,
+    Settings,
+)
 from .names import (
     HASHED,
     INTERNAL,
@@ -42,7 +53,7 @@ from .names import (
     unescape,
 )
 
-__all__ = ["KafkaDriver", "native"]
+__all__ = ["KafkaDriver", "native", "replication_plan"]
 
 log = logging.getLogger("mqabstract.kafka")
 
@@ -58,7 +69,45 @@ PATTERN_META = "mqp1 "
 #: librdkafka's upper bound of queued.max.messages.kbytes.
 PREFETCH_KBYTES_MAX = 2_097_151
 
+#: ``replication_factor`` / ``min_insync_replicas`` values: chosen from the cluster's size
+#: (the default), or left to the broker's ``default.replication.factor`` /
+#: ``min.insync.replicas``.
+AUTO = 0
+BROKER_DEFAULT = -1
+
+#: Seconds a cluster size stays cached. It is asked when topics are created, and must be
+#: fresh: once a dead broker is fenced (Kafka: 9 s) a topic with one replica per broker
+#: seen before cannot be created.
+CLUSTER_SIZE_TTL = 1.0
+
 R = TypeVar("R")
+
+
+def replication_plan(brokers: int, replication_factor: int = AUTO,
+                     min_insync_replicas: int = AUTO) -> tuple[int, int | None]:
+    """The replication and ``min.insync.replicas`` of a topic created on a cluster of
+    ``brokers`` brokers: ``(replication, min_isr)``, where replication -1 leaves it to the
+    broker and ``min_isr`` None leaves the topic config unset (the broker's default).
+
+    AUTO replication is ``min(3, brokers)``; AUTO ``min_isr`` is ``replication - 1`` kept
+    within 1..2, so with ``acks=all`` a confirmed record is on two brokers once there are
+    three and one broker may always fail without stopping publishes. Explicit values win;
+    AUTO ``min_isr`` under the broker's replication (unknown here) is the broker's too.
+    ``ValueError`` for a ``min_isr`` above the replication (every publish would fail).
+    """
+    auto = replication_factor == AUTO
+    replication = min(3, max(1, brokers)) if auto else replication_factor
+    if min_insync_replicas == AUTO:
+        min_isr = None if replication == BROKER_DEFAULT else min(2, max(1, replication - 1))
+    elif min_insync_replicas == BROKER_DEFAULT:
+        min_isr = None
+    else:
+        min_isr = min_insync_replicas
+    if min_isr is not None and replication != BROKER_DEFAULT and min_isr > replication:
+        raise ValueError(f"min_insync_replicas={min_isr} is above the replication "
+                         f"{replication} of the topics it would apply to: every publish "
+                         "would fail (NOT_ENOUGH_REPLICAS)")
+    return replication, min_isr
 
 
 def native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
@@ -96,6 +145,27 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 
+def survives(replication_factor: int, min_insync_replicas: int) -> str:
+    """``Capabilities.confirmed_survives`` for these options (acks=all, idempotent)."""
+    if (replication_factor, min_insync_replicas) == (AUTO, AUTO):
+        return ("the loss of any one broker once the cluster has three or more (its topics "
+                "get 3 replicas, min.insync.replicas 2: a publish is confirmed when two "
+                "brokers have it, and goes on while one is down); on two brokers a "
+                "confirmed record may be on one only, on one broker it is that broker's "
+                "disk. Written to the brokers' page cache, not fsynced: a power loss of "
+                "every replica at once can lose the newest")
+    isr = min_insync_replicas
+    if isr == AUTO and replication_factor > 0:
+        isr = replication_plan(replication_factor, replication_factor)[1] or isr
+    if isr > 1:
+        return (f"the loss of {isr - 1} broker(s) holding it: a publish is confirmed when "
+                f"{isr} in-sync replicas have it (min.insync.replicas); written to the "
+                "page cache, not fsynced")
+    return ("what the topics' replication and min.insync.replicas allow (set by the "
+            "options or the broker's defaults, not chosen by the driver): with one "
+            "in-sync replica, a confirmed record may be on one broker only")
+
+
 class KafkaDriver(Driver):
     """Kafka through confluent-kafka or kafka-python: topics, partitions, consumer groups,
     emulated leases. The logic is written once over ``client.py``."""
@@ -105,10 +175,12 @@ class KafkaDriver(Driver):
     OPTIONS: ClassVar[dict[str, Option]] = {
         "client": Option(str, "auto", "confluent, kafka-python, or auto: the fastest installed"),
         "partitions": Option(int, 4, "partitions of topics this driver creates"),
-        "replication_factor": Option(int, -1, "replication of created topics (-1: broker)"),
-        "min_insync_replicas": Option(int, 0, "min.insync.replicas of created topics "
-                                      "(0: broker default); with acks=all, a publish is "
-                                      "confirmed once that many replicas have it"),
+        "replication_factor": Option(int, AUTO, "replication of created topics (0: "
+                                     "min(3, brokers); -1: the broker's default)"),
+        "min_insync_replicas": Option(int, AUTO, "min.insync.replicas of created topics (0: "
+                                      "replication - 1, between 1 and 2; -1: the broker's "
+                                      "default); with acks=all, a publish is confirmed once "
+                                      "that many replicas have it"),
         "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
         # Apache Kafka refuses sessions below group.min.session.timeout.ms (6000 by default).
         "session_timeout_ms": Option(int, 6000, "consumer session (broker: 6000 or more)"),
@@ -145,7 +217,7 @@ class KafkaDriver(Driver):
             Feature.NACK_DELAY: Support.EMULATED,
             Feature.DELAY: Support.EMULATED,
             Feature.PRIORITY: Support.UNSUPPORTED,
-            Feature.ORDERING: Support.NATIVE,
+            Feature.ORDERING: Support.EMULATED,
             Feature.DEAD_LETTER: Support.EMULATED,
             Feature.BATCH: Support.NATIVE,
         },
@@ -171,6 +243,9 @@ class KafkaDriver(Driver):
         # committed offsets against the end offsets (as Kafka tools report it).
         stats={"dead": "exact", "lag": "exact"},
         notes={
+            Feature.ORDERING: "a key's records are in its partition's order; one at a time "
+            "is the portable layer's gate, and a nacked or expired record of an ordered "
+            "group is re-published to a retry partition of the same member",
             Feature.PRIORITY: "a Kafka partition is an ordered log; ordering a group's "
             "partitions by priority would only reorder what one consumer has fetched",
         },
@@ -194,8 +269,21 @@ class KafkaDriver(Driver):
         if opts["max_buffered"] < 1:
             raise InvalidArgument(f"option max_buffered={opts['max_buffered']} must be at "
                                   "least 1")
+        for name in ("replication_factor", "min_insync_replicas"):
+            if opts[name] < BROKER_DEFAULT:
+                raise InvalidArgument(f"option {name}={opts[name]}: use a count, 0 (chosen "
+                                      "from the cluster's size) or -1 (the broker's default)")
+        if opts["replication_factor"] > 0:
+            try:
+                replication_plan(opts["replication_factor"], opts["replication_factor"],
+                                 opts["min_insync_replicas"])
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
         self.settings = self._settings(url, opts)
         self._known: set[str] = set()
+        self._brokers: tuple[int, float] | None = None  # (cluster size, when asked)
+        self._most_brokers = 0
+        self._warned: set[str] = set()  # topics reported as not replicated
         self._declared: dict[str, int] = {}
         self._patterns: dict[str, str] = {}
         self.topic_version = 0
@@ -217,7 +305,9 @@ class KafkaDriver(Driver):
         # driver creates (retry topics included, whose partitions are the slots); the
         # release margin follows the session.
         self._caps = replace(self.CAPABILITIES, max_consumers_per_group=self.partitions,
-                             release_margin=opts["session_timeout_ms"] / 1000 + RELEASE_SLACK)
+                             release_margin=opts["session_timeout_ms"] / 1000 + RELEASE_SLACK,
+                             confirmed_survives=survives(opts["replication_factor"],
+                                                         opts["min_insync_replicas"]))
 
     # -- setup -------------------------------------------------------------------------------
     @staticmethod
@@ -355,27 +445,90 @@ class KafkaDriver(Driver):
         """A topic's partitions (the producer's cached metadata: no full-cluster request)."""
         return self.producer.partitions(topic) or set()
 
+    def cluster_size(self) -> int:
+        """Brokers in the cluster's metadata (live ones), asked at most once a second."""
+        cached = self._brokers
+        if cached is not None and time.monotonic() - cached[1] < CLUSTER_SIZE_TTL:
+            return cached[0]
+        n = self.call(self.admin.cluster_size)
+        self._brokers = (n, time.monotonic())
+        self._most_brokers = max(self._most_brokers, n)
+        return n
+
     def ensure_topics(self, names: Collection[str], partitions: int | None = None,
                       compact: bool = False) -> None:
-        """Create missing topics (idempotent; an existing topic keeps its partitions)."""
+        """Create missing topics (idempotent; an existing topic keeps its partitions and
+        replication). Every topic the driver uses is created here: data, retry,
+        dead-letter and registry topics. Replication and ``min.insync.replicas`` follow
+        ``replication_plan`` over the cluster's size; an existing topic with one replica
+        on a cluster of several brokers is reported once (a warning)."""
         missing = [n for n in names if n not in self._known]
         if not missing:
             return
         configs = {"cleanup.policy": "compact"} if compact else {}
-        if self.opts["min_insync_replicas"] > 0:
-            configs["min.insync.replicas"] = str(self.opts["min_insync_replicas"])
+        rf, isr = self.opts["replication_factor"], self.opts["min_insync_replicas"]
+        brokers = 0  # unknown: needed for AUTO, else only for the replication check
+        if rf != 1:
+            try:
+                brokers = self.cluster_size()
+            except Exception as exc:
+                if rf == AUTO and transient(exc):
+                    raise native(exc, "cannot read the cluster's brokers", self.url) from exc
+                if rf == AUTO:  # a broker without DescribeCluster: its defaults, said loudly
+                    log.warning("kafka: the cluster's brokers cannot be read (%s): topics %s "
+                                "are created with the broker's default replication",
+                                redact(str(exc))[:300], sorted(missing))
+                    rf = BROKER_DEFAULT
+                else:
+                    log.debug("kafka: cluster size not read: %s", redact(str(exc))[:300])
+        try:
+            replication, min_isr = replication_plan(brokers, rf, isr)
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot create topics on {self.url.redacted()}: "
+                                  f"{exc}") from exc
+        if min_isr is not None:
+            configs["min.insync.replicas"] = str(min_isr)
         try:
             result = self.call(self.admin.create_topics, missing,
-                               partitions or self.partitions,
-                               self.opts["replication_factor"], configs)
+                               partitions or self.partitions, replication, configs)
         except Exception as exc:
             raise native(exc, "cannot create topics", self.url) from exc
-        for name, err in result.items():
-            if err is not None:
+        for name, outcome in result.items():
+            if isinstance(outcome, ClientError):
                 raise ConnectionFailed(
-                    f"cannot create topic {name!r} on {self.url.redacted()}: {err}")
+                    f"cannot create topic {name!r} on {self.url.redacted()}: {outcome}")
+        new = sorted(n for n, o in result.items() if o is Created.NEW)
+        if new and rf == AUTO and replication < min(3, self._most_brokers):
+            log.warning("kafka: topics %s created with replication %d: only %d of the %d "
+                        "brokers seen earlier are in the cluster's metadata (one is down?)",
+                        new, replication, brokers, self._most_brokers)
+        existed = [n for n, o in result.items() if o is Created.EXISTED]
+        if existed and brokers > 1 and rf != 1:
+            self._check_replication(existed, brokers)
         self._known.update(missing)
         self.topic_version += 1  # our subscriptions look for new matching topics at once
+
+    def _check_replication(self, topics: Collection[str], brokers: int) -> None:
+        """Warn, once per topic, about existing topics with a single replica on a cluster
+        of several brokers: a publish to one is confirmed with no copy elsewhere, and its
+        partitions stop while their broker is down. Best effort (never fails a call)."""
+        todo = [t for t in topics if t not in self._warned]
+        if not todo:
+            return
+        try:
+            found = self.admin.replication(todo)
+        except Exception as exc:
+            log.debug("kafka: replication of %s not read: %s", todo, redact(str(exc))[:300])
+            return
+        for topic in sorted(found):
+            if found[topic] == 1:
+                self._warned.add(topic)
+                log.warning(
+                    "kafka: topic %r has replication 1 on a cluster of %d brokers: publishes "
+                    "to it are confirmed with no second copy, and its partitions are "
+                    "unavailable while their broker is down. Raise its replication "
+                    "(kafka-reassign-partitions) and set min.insync.replicas=2 on it",
+                    topic, brokers)
 
     # -- publishing ----------------------------------------------------------------------------
     def publish(self, envelopes: Sequence[Envelope]) -> None:

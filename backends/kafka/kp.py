@@ -34,6 +34,7 @@ from .client import (
     Admin,
     Client,
     ClientError,
+    Created,
     Fetched,
     Kind,
     Listener,
@@ -200,16 +201,31 @@ class _Admin(Admin):
             raise classify(exc) from exc
 
     def create_topics(self, names: Collection[str], partitions: int, replication: int,
-                      configs: Mapping[str, str]) -> dict[str, ClientError | None]:
+                      configs: Mapping[str, str]) -> dict[str, Created | ClientError]:
         new = [NewTopic(n, partitions, replication, topic_configs=dict(configs))
                for n in names]
         result = self._call(self.a.create_topics, new, raise_errors=False)
-        out: dict[str, ClientError | None] = {n: None for n in names}
+        out: dict[str, Created | ClientError] = dict.fromkeys(names, Created.NEW)
         for item in result.get("topics", []):
             code = item.get("error_code", 0)
-            if code not in (0, 36):  # 36: TOPIC_ALREADY_EXISTS
+            if code == 36:  # TOPIC_ALREADY_EXISTS
+                out[item.get("name")] = Created.EXISTED
+            elif code != 0:
                 out[item.get("name")] = ClientError(
                     Kind.OTHER, f"error {code} {item.get('error_message') or ''}")
+        return out
+
+    def cluster_size(self) -> int:
+        found = self._call(self.a.describe_cluster)
+        return sum(1 for b in found.get("brokers", ()) if not b.get("is_fenced"))
+
+    def replication(self, names: Collection[str]) -> dict[str, int]:
+        # A metadata request with allow_auto_topic_creation=false (the admin client's).
+        out: dict[str, int] = {}
+        for topic in self._call(self.a.describe_topics, list(names)):
+            parts = topic.get("partitions") or ()
+            if topic.get("error_code", 0) == 0 and parts:
+                out[topic["name"]] = min(len(p.get("replica_nodes") or ()) for p in parts)
         return out
 
     def list_topics(self) -> set[str]:

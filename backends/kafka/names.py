@@ -59,11 +59,19 @@ def declared_key(group: str) -> str:
     return group + "..mqa-declared"
 
 
+#: One mapped word: mapped names never contain ``_``, names Kafka keeps for itself start
+#: with ``__``.
+WORD = r"[^._]+"
+
+
 def topic_regex(pattern: str, prefix: str = "") -> str:
     """A regex over Kafka topic names matching exactly the mapped topics ``pattern`` matches.
 
     AMQP ``#`` absorbs its own separator, so a separator is either a dot or, at the very
-    start of the mapped name, nothing (the fixed-width look-behind on the prefix).
+    start of the mapped name, nothing (the fixed-width look-behind on the prefix). A word
+    never contains ``_`` (the mapping escapes it), so no wildcard reaches a topic the
+    broker keeps for itself (``__consumer_offsets``, ``__transaction_state``, ...) or one
+    of this driver's internal topics.
     """
     words = pattern.split(".")
     if "*" not in words and "#" not in words:
@@ -72,9 +80,9 @@ def topic_regex(pattern: str, prefix: str = "") -> str:
     parts = []
     for word in words:
         if word == "*":
-            parts.append(sep + r"[^.]+")
+            parts.append(sep + WORD)
         elif word == "#":
-            parts.append(rf"(?:{sep}[^.]+)*")
+            parts.append(rf"(?:{sep}{WORD})*")
         else:
             parts.append(sep + re.escape(_escape(word)))
     # Hashed (over-long) topics cannot be matched by name: take them all and filter on the

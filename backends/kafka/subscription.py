@@ -10,6 +10,7 @@ import re
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -852,7 +853,10 @@ class KafkaSubscription(DriverSubscription):
         are re-published to a retry partition owned by another member (back-off doubles
         per hop, so idle groups do not ping-pong).
         """
-        if not self.ready or self.waiting or not self._other_retry_partitions():
+        if self.spec.ordered or not self.ready or self.waiting \
+                or not self._other_retry_partitions():
+            # (ordered groups never: the portable layer's gate holds a key's later
+            # messages only where its earlier ones come back, to this consumer)
             return []
         now = time.monotonic()
         base = self.d.opts["handoff_ms"] / 1000
@@ -1222,7 +1226,14 @@ class KafkaSubscription(DriverSubscription):
         if due > time.time():
             headers.append((wire.DELIVER_AT, repr(due).encode()))
         partition = None
-        if avoid_self:
+        if self.spec.ordered and rec.key is not None:
+            # Back to this member, on one retry partition per key: the portable layer's
+            # gate here holds the key's later records until this one is settled, and
+            # another member would hand it out beside them.
+            mine = sorted(tp.partition for tp in list(self.parts) if tp.topic == self.retry)
+            if mine:
+                partition = mine[zlib.crc32(rec.key.encode()) % len(mine)]
+        elif avoid_self:
             others = self._other_retry_partitions()
             if others:
                 partition = random.choice(others)

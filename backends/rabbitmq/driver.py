@@ -80,7 +80,7 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float,
             f.NACK_DELAY: Support.EMULATED,
             f.DELAY: Support.EMULATED,
             f.PRIORITY: Support.NATIVE,
-            f.ORDERING: Support.NATIVE,
+            f.ORDERING: Support.EMULATED,
             f.DEAD_LETTER: Support.EMULATED,
             f.BATCH: Support.NATIVE,
             f.TTL: Support.NATIVE if native_ttl else Support.EMULATED,
@@ -111,7 +111,8 @@ def _rabbitmq_capabilities(max_body: int, release_margin: float,
             f.PRIORITY: "groups declared priority=True use classic queues with "
                         "x-max-priority (no quorum replication, redelivery counted "
                         "from the redelivered flag); other groups are FIFO quorum queues",
-            f.ORDERING: "groups declared ordered=True use x-single-active-consumer",
+            f.ORDERING: "groups declared ordered=True use x-single-active-consumer (order); "
+                        "one message of a key at a time is the portable layer's gate",
             f.DEAD_LETTER: "a classic dead-letter queue per group, filled by the driver",
             f.BATCH: "publisher confirms pipelined on one channel",
             f.TTL: ("per-message expiration; the group queue dead-letters expired messages "

@@ -119,6 +119,12 @@ class RabbitMQSubscription(DriverSubscription):
         self._receiving = 0
         self._last_receive = time.monotonic()
         self._idle = min(1.0, max(0.2, spec.lease / 2))
+        # Ordered groups (single active consumer): ids of messages this consumer sent back
+        # to the queue (nack, an expired lease) -> until when it waits for them (monotonic).
+        # While it holds a lease or waits for one of these it stays the active consumer,
+        # so no other consumer gets the key's later messages before them.
+        self._returning: dict[str, float] = {}
+        self._patience = max(2 * spec.lease, 30.0)
         self._error: MQError | None = None
         # Copies of delivered messages whose original is not yet acked: while there are
         # any, the watchdog must not cut the connection (the broker would redeliver the
@@ -381,6 +387,15 @@ class RabbitMQSubscription(DriverSubscription):
                 self._cond.notify()
 
         self._ctag = ch.basic_consume(self.queue, on_message)
+        # Every delivery on this channel is for our consumer, also one that arrives between
+        # our basic.cancel (a pause or close) and its cancel-ok: the buffer takes it and the
+        # pause hands it back by copy, its attempt unchanged. pika would reject it itself
+        # (requeue), and the broker counts that as a delivery (quorum: x-delivery-count + 1;
+        # classic: flagged redelivered): its next delivery would skip an attempt that nobody
+        # saw. pika 1.x hands each assembled delivery to the channel's ``_on_deliver``;
+        # replaced on this channel object only (again by the next consume, not stacked).
+        ch._on_deliver = lambda frame, header, content: on_message(
+            ch, frame.method, header.properties, content)
 
     def _io_channel_closed(self, ch: Any, reason: BaseException) -> None:
         if ch is not self._ch:
@@ -507,8 +522,11 @@ class RabbitMQSubscription(DriverSubscription):
     def _io_tick(self, now: float) -> None:
         with self._lock:
             expired = self._leases.expired()
+            if expired and self.spec.ordered:
+                self._expect_locked([raw.props.message_id for raw, _ in expired], 0.0)
             idle = (self._ctag is not None and not self._cancelling and self._receiving == 0
-                    and now - self._last_receive > self._idle)
+                    and now - self._last_receive > self._idle
+                    and not (self.spec.ordered and self._keeps_turn_locked(now)))
             self._inflight += len(expired)
             self._report_locked(now)
             watch = self._dog is None or not self._dog.alive
@@ -522,6 +540,22 @@ class RabbitMQSubscription(DriverSubscription):
             )
         if idle:
             self._io_pause()
+
+    def _expect_locked(self, ids: Sequence[str | None], delay: float) -> None:
+        """Ordered groups: these messages went back to the queue and come again."""
+        until = time.monotonic() + delay + self._patience
+        for mid in ids:
+            if mid is not None:
+                self._returning[mid] = until
+
+    def _keeps_turn_locked(self, now: float) -> bool:
+        """Ordered groups: whether this consumer must stay the queue's active one (it holds
+        a lease, or a message it sent back has not come again yet): another consumer would
+        get the key's later messages first."""
+        if self._returning:
+            for mid in [m for m, until in self._returning.items() if until <= now]:
+                del self._returning[mid]
+        return bool(len(self._leases) or self._returning)
 
     def _io_pause(self, then: Callable[[], None] | None = None) -> None:
         """Stop consuming and hand the unread buffer back to the queue."""
@@ -591,6 +625,10 @@ class RabbitMQSubscription(DriverSubscription):
         self._check()
         # The lease starts with this call (the portable layer's deadline is no later).
         started = time.monotonic()
+        # Not idle from here on: the I/O thread's tick may run before this thread counts
+        # itself in ``_receiving`` below, and must not pause the consumer this call is
+        # about to use (or restart) right away.
+        self._last_receive = started
         if not self._want or self._ch is None:
             self._want = True
             self._link.call(self._io_start)
@@ -643,6 +681,8 @@ class RabbitMQSubscription(DriverSubscription):
                             again.append((raw, None))
                             continue
                         attempt = raw.attempt()
+                        if self._returning:
+                            self._returning.pop(raw.props.message_id, None)
                         token = self._leases.grant((raw, attempt), self.spec.lease,
                                                    start=started)
                         out.append(self._driver._delivery(raw, attempt, token))
@@ -747,6 +787,9 @@ class RabbitMQSubscription(DriverSubscription):
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
         taken = self._take(receipt)
+        if self.spec.ordered:
+            with self._lock:
+                self._expect_locked([taken[0].props.message_id], delay)
         due = time.time() + delay if delay > 0 else None
         try:
             item = self._driver._retry_item(taken[0], self.queue, taken[1] + 1, due)

@@ -18,7 +18,9 @@ Mapping (details and reasons in ``docs/backends/sqs.md``):
   queues: the receive count starts afresh), or hidden with ChangeMessageVisibility (FIFO
   queues, which have no per-message delay; the hops are subtracted from the attempt).
 * Dead letters: the portable layer decides, this driver copies the message with reason and
-  attempts into a standard ``<queue>-dlq`` queue and deletes the original. No RedrivePolicy:
+  attempts into a standard ``<queue>-dlq`` queue and deletes the original (a consumer killed
+  between the two may leave a second entry for the id: listings keep the first and delete
+  the other). No RedrivePolicy:
   it would lose the reason, count delay hops as failures, and force FIFO dead-letter queues
   that cannot be listed while one message of a message group is in flight.
 * Metadata is packed into one String attribute ``mq`` (JSON); headers travel as native String

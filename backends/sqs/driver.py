@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import re
 import threading
@@ -69,6 +70,8 @@ from .wire import (
 
 __all__ = ["SQSDriver"]
 
+log = logging.getLogger("mqabstract.sqs")
+
 _CONNECT_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectionClosedError,
@@ -125,7 +128,7 @@ class SQSDriver(Driver):
             Feature.NACK_DELAY: Support.NATIVE,
             Feature.DELAY: Support.EMULATED,
             Feature.PRIORITY: Support.UNSUPPORTED,
-            Feature.ORDERING: Support.NATIVE,
+            Feature.ORDERING: Support.EMULATED,
             Feature.DEAD_LETTER: Support.EMULATED,
             Feature.BATCH: Support.NATIVE,
         },
@@ -142,10 +145,17 @@ class SQSDriver(Driver):
         # under the full CI load a frozen holder's messages came back 3.4 s past the lease.
         release_margin=5.0,
         max_receive=BATCH,
+        # FIFO: one receive may bring several messages of a message group (in order), and
+        # the group stays locked while any of them is out
+        key_gate="hand_back",
         # SQS's own estimates; a delayed message counts as ready until a receive moves it
         # into its wait (SNS cannot delay a delivery)
         stats=dict.fromkeys(("ready", "leased", "delayed", "dead"), "approximate"),
         notes={
+            Feature.ORDERING: (
+                "FIFO queues (MessageGroupId = key); a receive may bring several messages "
+                "of a group: the portable layer's gate hands out one at a time"
+            ),
             Feature.PRIORITY: (
                 "SQS has no priority and receives from a standard queue are sampled, so "
                 "queue-per-level polling cannot guarantee higher-first; use separate groups"
@@ -741,6 +751,40 @@ class SQSDriver(Driver):
                 return list(seen.values())
             long_polled = True
 
+    def _scan_dead(self, g: _Group) -> list[dict[str, Any]]:
+        """The group's dead letters, one per message id (hidden for a minute, as ``_scan``).
+
+        A move to the dead-letter queue is a send there, then a delete from the group queue:
+        two calls that nothing makes atomic. A consumer killed between them leaves the
+        original behind; it comes back past ``max_attempts`` and is moved again, a second
+        entry for the id. So an id's first move (fewest attempts, then earliest) is its dead
+        letter; a later entry for it is redundant and deleted here (if that delete fails,
+        the next scan drops it again)."""
+        first: dict[str, dict[str, Any]] = {}
+        extra: list[dict[str, Any]] = []
+
+        def order(m: Mapping[str, Any]) -> tuple[int, float, int, str]:
+            meta = _from_sqs(m).meta
+            sent = int((m.get("Attributes") or {}).get("SentTimestamp", 0))
+            dead_at = meta.get(M_DEAD_AT)
+            return (int(meta.get(M_ATTEMPT, 0)),
+                    float(dead_at) if isinstance(dead_at, (int, float)) else sent / 1000.0,
+                    sent, str(m["MessageId"]))
+
+        for m in sorted(self._scan(g.dlq_url), key=order):
+            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
+            if mid in first:
+                extra.append(m)
+            else:
+                first[mid] = m
+        if extra:
+            try:
+                self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in extra])
+            except MQError as exc:
+                log.warning("sqs: group %r: %d repeated dead letters not deleted (%s); "
+                            "every listing leaves them out", g.name, len(extra), exc)
+        return list(first.values())
+
     def _release(self, queue_url: str, messages: Iterable[Mapping[str, Any]]) -> None:
         handles = [m["ReceiptHandle"] for m in messages]
         for start in range(0, len(handles), BATCH):
@@ -779,7 +823,7 @@ class SQSDriver(Driver):
 
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         g = self._lookup(group)
-        messages = self._scan(g.dlq_url)
+        messages = self._scan_dead(g)
         try:
             views = sorted((self._dead_letter_view(m) for m in messages),
                            key=lambda d: (d.dead_lettered_at or d.published_at))
@@ -790,7 +834,7 @@ class SQSDriver(Driver):
     def _select(self, group: str, ids: Collection[str] | None) -> tuple[_Group, list[Any],
                                                                          list[Any]]:
         g = self._lookup(group)
-        messages = self._scan(g.dlq_url)
+        messages = self._scan_dead(g)
         chosen: list[Any] = []
         rest: list[Any] = []
         for m in messages:

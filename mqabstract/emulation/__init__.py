@@ -7,7 +7,9 @@ two drivers emulating the same thing do it the same way:
 * :mod:`.delays`: delay tiers and deferral hops for brokers with short or no native delays;
 * :mod:`.deadletters`: dead-letter metadata in the wire schema, decoding, selection, replay;
 * :mod:`.pattern`: topic patterns — literal head and tail, native filter supersets, matching;
-* :mod:`.names`: fitting names into a broker's length and alphabet limits, injectively.
+* :mod:`.names`: fitting names into a broker's length and alphabet limits, injectively;
+* :mod:`.ordering`: one message of a key at a time in ordered groups (``KeyGate``), used by
+  the portable layer for every broker that would hand out more (``Capabilities.key_gate``).
 
 Drivers move bytes with their native client; the portable layer (``mqabstract.broker``)
 owns the lease deadline the application sees. ``docs/architecture.md`` lists which
@@ -20,9 +22,11 @@ from .deadletters import dead_headers, dead_letter_from, pick, replay_headers
 from .delays import Tiers, next_hop
 from .leases import LeaseTable
 from .names import fit_name
+from .ordering import KeyGate
 from .pattern import NativeFilter, Pattern
 
 __all__ = [
+    "KeyGate",
     "LeaseTable",
     "NativeFilter",
     "Pattern",

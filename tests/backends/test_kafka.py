@@ -109,6 +109,56 @@ def test_topic_regex_agrees_with_portable_matcher(pattern: str, topic: str) -> N
     assert bool(regex.match(kafka_topic_name(topic, "pre."))) == topic_matches(pattern, topic)
 
 
+@pytest.mark.parametrize("prefix", ["", "pre."])
+@pytest.mark.parametrize("pattern, mine", [("#", "x_y"), ("*", "x_y"), ("#.offsets", "x_y.offsets"),
+                                           ("#.state", "a.x_y.state"), ("a.#", "a._b")])
+def test_no_wildcard_matches_internal_topics(pattern: str, mine: str, prefix: str) -> None:
+    """Kafka's own topics and the driver's internal ones are never a wildcard's: each of
+    these matched ``#`` before (a group on ``#`` received __consumer_offsets records),
+    while a user topic with ``_`` in its words (mapped to ``-u``) still matches."""
+    regex = re.compile(topic_regex(pattern, prefix))
+    for name in ("__consumer_offsets", "__transaction_state", "__share_group_state",
+                 "__cluster_metadata", "__mqa..r..g", "__mqa..groups", "_a", "a_b",
+                 f"{prefix}__consumer_offsets", f"{prefix}a._x"):
+        assert not regex.match(name), name
+    assert regex.match(kafka_topic_name(mine, prefix))
+
+
+def test_hash_group_reads_no_internal_topic(url, mq, names) -> None:
+    """A ``#`` group next to a group that commits offsets (so the broker's
+    ``__consumer_offsets`` exists and is listed) reads user topics only: the topics its
+    data thread matched from the broker's own listing hold no topic of Kafka's and none of
+    the driver's internal ones (``#`` matched ``__consumer_offsets`` before, and the group
+    received its records). Judged on what the group reads, not on what it happens to
+    receive: a shared broker holds a thousand topics a ``#`` group cannot drain in a test."""
+    group, root = names
+    with mq.subscribe(group, f"{root}.#") as busy:
+        mq.publish(f"{root}.work", b"w")
+        got = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = busy.receive(1, 1.0)
+        assert got, "the busy group received nothing"
+        got[0].ack()  # an offset commit: a record in __consumer_offsets
+    tap = f"{group}-tap"
+    sub = mq.subscribe(tap, "#", lease=30)
+    try:
+        inner = sub._inner
+        listed = inner.d.topic_names()
+        assert "__consumer_offsets" in listed  # the listing has it: the filter is tested
+        mine = kafka_topic_name(f"{root}.work")
+        deadline = time.monotonic() + 30
+        while mine not in inner.matched and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mine in inner.matched, "the # group never matched the user topic"
+        ours = {t for t in inner.matched if t.startswith("__mqh..")}  # hashed user topics
+        internal = sorted(t for t in inner.matched - ours if t.startswith("__") or ".." in t)
+        assert not internal, f"a # group reads internal topics: {internal[:5]}"
+    finally:
+        sub.close()
+        mq.delete_group(tap)
+
+
 def test_long_topic_names_are_hashed_within_kafka_limit() -> None:
     topic = ".".join(["w" * 60] * 6)
     name = kafka_topic_name(topic)
@@ -507,3 +557,166 @@ def test_buffer_options_out_of_range_are_refused_at_connect(url) -> None:
                         ("max_buffered", 0)):
         with pytest.raises(mqabstract.InvalidArgument, match=option):
             mqabstract.connect(f"{url}{sep}{option}={bad}")
+
+
+# -- replication of the topics the driver creates -------------------------------------------
+from mqabstract.backends.kafka.client import ClientError, Created, Kind  # noqa: E402
+from mqabstract.backends.kafka.driver import (  # noqa: E402
+    AUTO,
+    BROKER_DEFAULT,
+    replication_plan,
+)
+
+
+@pytest.mark.parametrize(("brokers", "expected"), [(1, (1, 1)), (2, (2, 1)), (3, (3, 2)),
+                                                    (5, (3, 2))])
+def test_default_replication_follows_the_cluster_size(brokers, expected) -> None:
+    """min(3, n) replicas, min.insync.replicas replication - 1 within 1..2: from three
+    brokers on a confirmed record is on two of them and one broker may fail."""
+    assert replication_plan(brokers) == expected
+    assert replication_plan(brokers, AUTO, AUTO) == expected
+
+
+@pytest.mark.parametrize("brokers", [1, 2, 3, 5])
+def test_explicit_replication_options_win(brokers) -> None:
+    assert replication_plan(brokers, 2, AUTO) == (2, 1)  # min ISR follows the explicit count
+    assert replication_plan(brokers, 5, AUTO) == (5, 2)
+    assert replication_plan(brokers, 3, 3) == (3, 3)
+    assert replication_plan(brokers, 1, AUTO) == (1, 1)
+    assert replication_plan(brokers, AUTO, 1) == (min(3, brokers), 1)
+    assert replication_plan(brokers, BROKER_DEFAULT, AUTO) == (-1, None)  # all the broker's
+    assert replication_plan(brokers, BROKER_DEFAULT, BROKER_DEFAULT) == (-1, None)
+    assert replication_plan(brokers, BROKER_DEFAULT, 2) == (-1, 2)
+    assert replication_plan(brokers, 3, BROKER_DEFAULT) == (3, None)
+
+
+def test_min_insync_replicas_above_the_replication_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_insync_replicas=2"):
+        replication_plan(1, AUTO, 2)  # one broker: 1 replica, never 2 in sync
+    with pytest.raises(ValueError, match="min_insync_replicas=4"):
+        replication_plan(5, 3, 4)
+
+
+def test_replication_options_out_of_range_are_refused_at_connect(url) -> None:
+    sep = "&" if "?" in url else "?"
+    for query, name in (("replication_factor=-2", "replication_factor"),
+                        ("min_insync_replicas=-3", "min_insync_replicas"),
+                        ("replication_factor=2&min_insync_replicas=3", "min_insync_replicas")):
+        with pytest.raises(mqabstract.InvalidArgument, match=name):
+            mqabstract.connect(f"{url}{sep}{query}")
+
+
+class _ClusterAdmin:
+    """The driver's admin as a cluster of ``brokers`` would answer: records what it was asked
+    to create; topics in ``existing`` exist with ``existing[name]`` replicas."""
+
+    def __init__(self, real, brokers: int, existing: dict[str, int]) -> None:
+        self.real, self.brokers, self.existing = real, brokers, existing
+        self.created: list[tuple[list[str], int, int, dict[str, str]]] = []
+        self.described: list[list[str]] = []
+
+    def cluster_size(self) -> int:
+        return self.brokers
+
+    def create_topics(self, names, partitions, replication, configs):
+        self.created.append((list(names), partitions, replication, dict(configs)))
+        return {n: Created.EXISTED if n in self.existing else Created.NEW for n in names}
+
+    def replication(self, names):
+        self.described.append(list(names))
+        return {n: self.existing[n] for n in names if n in self.existing}
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_topics_on_a_cluster_and_single_replica_ones_reported_once(url, client, caplog
+                                                                    ) -> None:
+    """On a (simulated) three-broker cluster the driver creates every topic it needs (data,
+    retry, dead-letter, registry) with replication 3 and min.insync.replicas 2; an existing
+    topic with one replica is warned about once per driver; explicit options win."""
+    import logging
+
+    sep = "&" if "?" in url else "?"
+    token = "q" + os.urandom(4).hex()
+    old, fine = f"rq.{token}.old", f"rq.{token}.fine"
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq:
+        driver = mq._driver
+        names = {t: driver.topic(t) for t in (old, fine)}
+        fake = _ClusterAdmin(driver.admin, 3, {names[old]: 1, names[fine]: 3})
+        driver._admin_c = fake
+        with caplog.at_level(logging.WARNING, "mqabstract.kafka"):
+            driver.ensure_topics([names[old], names[fine], "rq-new"])
+            driver._known.clear()  # asked again (another publish path): no second report
+            driver.ensure_topics([names[old]])
+            driver.declare(mqabstract.GroupSpec(f"rq-{token}", f"rq.{token}.#"))
+        reports = [r for r in caplog.records if "has replication 1" in r.getMessage()]
+        assert len(reports) == 1, caplog.text
+        assert repr(names[old]) in reports[0].getMessage()
+        assert "cluster of 3 brokers" in reports[0].getMessage()
+        assert all(r.levelno == logging.WARNING for r in reports)
+        created = {n for names_, *_ in fake.created for n in names_}
+        assert {driver.retry_topic(f"rq-{token}"), driver.dead_topic(f"rq-{token}")} <= created
+        assert any(n.startswith("__mqa") and "groups" in n for n in created), created
+        for _names, _parts, replication, configs in fake.created:
+            assert (replication, configs["min.insync.replicas"]) == (3, "2"), fake.created
+        driver._admin_c = fake.real
+    with mqabstract.connect(f"{url}{sep}client={client}&replication_factor=1") as mq:
+        driver = mq._driver
+        fake = _ClusterAdmin(driver.admin, 3, {names[old]: 1})
+        driver._admin_c = fake
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "mqabstract.kafka"):
+            driver.ensure_topics([names[old], "rq-new"])
+        assert not caplog.records, "asked for one replica: not reported"
+        assert fake.created[0][2:] == (1, {"min.insync.replicas": "1"})
+        driver._admin_c = fake.real
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq:
+        driver = mq._driver
+        fake = _ClusterAdmin(driver.admin, 3, {})
+
+        def unanswered() -> int:  # a broker without DescribeCluster
+            raise ClientError(Kind.OTHER, "UnsupportedVersion")
+
+        fake.cluster_size = unanswered
+        driver._admin_c = fake
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "mqabstract.kafka"):
+            driver.ensure_topics(["rq-new"])
+        assert fake.created[0][2:] == (-1, {}), "the broker's defaults, not a failed publish"
+        assert "cannot be read" in caplog.text
+        driver._admin_c = fake.real
+    with mqabstract.connect(f"{url}{sep}client={client}&replication_factor=-1"
+                            "&min_insync_replicas=-1") as mq:
+        driver = mq._driver
+        fake = _ClusterAdmin(driver.admin, 5, {})
+        driver._admin_c = fake
+        driver.ensure_topics(["rq-new"])
+        assert fake.created[0][2:] == (-1, {}), "the broker's defaults: nothing set"
+        driver._admin_c = fake.real
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_producer_is_idempotent_with_acks_all(url, client) -> None:
+    """What "confirmed" rests on: every in-sync replica acknowledged (acks=all), and a
+    retried send is not written twice (idempotence)."""
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq:
+        producer = mq._driver.producer
+        if client == "confluent":
+            assert producer.cfg["acks"] == "all"
+            assert producer.cfg["enable.idempotence"] is True
+        else:
+            assert producer.p.config["acks"] in ("all", -1)
+            assert producer.p.config["enable_idempotence"] is True
+
+
+def test_capabilities_say_what_a_confirmed_publish_survives(url) -> None:
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(url) as mq:
+        assert "any one broker" in mq.capabilities.confirmed_survives
+    with mqabstract.connect(f"{url}{sep}replication_factor=5") as mq:  # min ISR derived: 2
+        assert "when 2 in-sync replicas" in mq.capabilities.confirmed_survives
+    with mqabstract.connect(f"{url}{sep}replication_factor=-1&min_insync_replicas=-1") as mq:
+        assert "broker's defaults" in mq.capabilities.confirmed_survives

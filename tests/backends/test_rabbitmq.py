@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -523,3 +524,100 @@ def test_expiration_is_what_is_left_of_the_ttl(expires_in: float, expected: str 
     assert _expiration({"mq-expires-at": repr(now + expires_in)}, now) == expected
     assert _expiration({}, now) is None
     assert _expiration({"mq-expires-at": "soon"}, now) is None
+
+
+# ----------------------------------------------------------------------------------------
+# pausing an idle consumer
+
+
+@pytest.mark.parametrize("priority", [False, True], ids=["quorum", "classic"])
+def test_a_pause_hands_back_deliveries_on_the_wire_uncounted(mq: mqabstract.Broker,
+                                                             token: str, priority: bool) -> None:
+    """An idle consumer is paused (basic.cancel, its unread buffer handed back). Deliveries
+    already on the wire arrive between the cancel and its cancel-ok; pika would reject them
+    (requeue), which counts a delivery on a quorum queue (x-delivery-count) and flags a
+    redelivery on a classic one: their next delivery would skip an attempt. Here the pause
+    starts inside the first delivery's callback, the rest of the prefetch still unread:
+    every message still comes with attempt 1."""
+    lease, count = 30.0, 60
+    group, pattern, topic = f"pause-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease, priority=priority)
+    try:
+        mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                          for i in range(count)])
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            inner = sub._inner
+            pausing = threading.Event()
+            while_cancelling = []  # deliveries between the cancel and its cancel-ok
+
+            class PauseAtFirstDelivery(threading.Condition):
+                def notify(self, n: int = 1) -> None:  # on the I/O thread, in on_message
+                    super().notify(n)
+                    if inner._cancelling:  # type: ignore[attr-defined]
+                        while_cancelling.append(1)
+                    if not pausing.is_set():
+                        pausing.set()
+                        inner._io_pause()  # type: ignore[attr-defined]
+
+            inner._cond = PauseAtFirstDelivery(inner._lock)  # type: ignore[attr-defined]
+            got = _drain(sub, count, ack=True)
+            assert pausing.is_set()
+            assert sorted(m.id for m in got) == sorted(f"{token}-{i}" for i in range(count))
+            assert {m.id: m.attempt for m in got if m.attempt != 1} == {}
+            assert while_cancelling  # the case at hand: some were on the wire
+            assert sub.receive(1, 1.0) == []
+    finally:
+        mq.delete_group(group)
+
+
+def test_a_receive_that_restarts_an_idle_consumer_is_not_paused_at_once(
+        mq: mqabstract.Broker, token: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The I/O thread's tick pauses a consumer nobody received from for a while. A receive
+    that restarts it must not look idle to a tick that lands between the restart and the
+    receive's wait: that paused it at once, cancelling what was on the wire (a message
+    whose lease had run out, as in conformance ``test_settle_after_deadline``)."""
+    lease = 2.0
+    group, pattern, topic = f"restart-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease)
+    try:
+        mid = mq.publish(topic, b"x")
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            inner: Any = sub._inner
+            [msg] = _drain(sub, 1)
+            time.sleep(msg.lease_remaining + 0.05)
+            with pytest.raises(mqabstract.LeaseExpired):
+                msg.nack()
+            # paused (idle), and the copy of the expired message is in the queue
+            _until(lambda: not inner._want and inner._inflight == 0
+                   and inner._leases.next_deadline() is None)
+            pauses: list[int] = []
+            pause = inner._io_pause
+            call = inner._link.call
+
+            def counted(*args: Any) -> None:
+                pauses.append(1)
+                pause(*args)
+
+            def start_then_tick(fn: Any) -> None:
+                """The receive's thread descheduled right after it asked for the restart:
+                the I/O thread restarts the consumer and ticks before that thread goes on."""
+                ran = threading.Event()
+
+                def both() -> None:
+                    try:
+                        fn()
+                        if fn == inner._io_start:
+                            inner._io_tick(time.monotonic())
+                    finally:
+                        ran.set()
+
+                call(both)
+                assert ran.wait(10)
+
+            monkeypatch.setattr(inner, "_io_pause", counted)
+            monkeypatch.setattr(inner._link, "call", start_then_tick)
+            [again] = _drain(sub, 1)
+            assert (again.id, again.attempt) == (mid, 2)
+            assert pauses == []
+    finally:
+        mq.delete_group(group)

@@ -215,3 +215,50 @@ def test_a_failed_lane_names_what_was_published_and_what_not(mq, names, monkeypa
         got.update(m.id for m in batch)
         sub.ack_many(batch)
     assert got == set(err.published)  # exactly what was reported published arrived
+
+
+def _dlq_depth(mq: mqabstract.Broker, group: str) -> int:
+    """Entries physically in the group's dead-letter queue (moto's count is exact)."""
+    sqs = mq._driver._sqs
+    attrs = sqs.get_queue_attributes(
+        QueueUrl=mq._driver._lookup(group).dlq_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    return sum(int(v) for v in attrs.values())
+
+
+def test_a_dead_letter_move_cut_before_its_delete_is_one_dead_letter(mq, names,
+                                                                       monkeypatch) -> None:
+    """Dead-lettering is a send to the dead-letter queue, then a delete from the group
+    queue. A consumer killed between the two leaves the message in the group queue; it
+    comes back past max_attempts and is dead-lettered again: a second entry for the id.
+    The group still lists, replays and purges one dead letter per id, with the attempts
+    of the first move."""
+    group, root = names
+    sub = mq.subscribe(group, f"{root}.#", lease=1, max_attempts=1)
+    mid = mq.publish(f"{root}.x", b"once")
+    [msg] = sub.receive(1, 10)
+    assert msg.attempt == 1
+    driver = mq._driver
+
+    def killed(queue_url: str, handles: object) -> None:
+        raise mqabstract.ConnectionFailed("sqs: injected: the consumer died here")
+
+    monkeypatch.setattr(driver, "_delete_handles", killed)
+    with pytest.raises(mqabstract.ConnectionFailed):
+        msg.nack()  # the final attempt: dead-lettered, the original not deleted
+    monkeypatch.undo()
+    # The original comes back after its lease with attempt 2 > max_attempts: the receive
+    # dead-letters it (nothing is returned) and deletes it this time.
+    deadline = time.monotonic() + 30
+    while _dlq_depth(mq, group) < 2 and time.monotonic() < deadline:
+        assert not sub.receive(1, 1)
+    assert _dlq_depth(mq, group) == 2  # the scenario happened: two entries for one id
+    dead = mq.dead_letters(group)
+    assert [(d.id, d.attempts) for d in dead] == [(mid, 1)]
+    assert _dlq_depth(mq, group) == 1  # the redundant entry is gone
+    assert mq.replay_dead_letters(group) == 1
+    [again] = sub.receive(1, 10)
+    assert (again.id, again.attempt) == (mid, 1)
+    again.ack()
+    assert not sub.receive(1, 2)

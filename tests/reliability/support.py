@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import secrets
@@ -15,12 +14,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
 import mqabstract
+
+from .history import (
+    ACK_STARTED,
+    ACKED,
+    EXHAUSTED_PREFIXES,
+    LEASE_EXPIRED,
+    History,
+    check,
+)
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 REPO = Path(__file__).resolve().parents[2]
@@ -81,105 +88,148 @@ class Reporter:
         pass
 
 
-@dataclass
-class Ledger:
-    """What was published, delivered, acked and dead-lettered in one scenario.
+#: Where a backend's release clock does not start at the lease deadline (the formula each
+#: backend's doc states; ``history.RELEASE_CLOCKS``): Kafka's group stops delivering for a
+#: rebalance whenever a member joins, leaves, stops or wakes, and a stopped SQLite process
+#: may hold the file's write lock.
+RELEASE_CLOCK = {"kafka": "membership", "sqlite": "unfrozen"}
 
-    ``expected`` maps every id whose publish returned (confirmed) to its body digest;
-    ``maybe`` holds ids whose publish was in flight when the publisher died.
+
+class Ledger:
+    """The recording API of a scenario: it builds the scenario's :class:`History` (judged
+    by ``history.check``) and keeps the views the tests steer by: ``expected`` (confirmed
+    id → body digest), ``maybe`` (ids only published in flight or by a failed call),
+    ``acked``, ``dead`` (id → attempts) and ``deliveries`` ((id, attempt, digest)).
+
+    Deliveries carry their holder (``"here"`` for this process, ``"pid<N>"`` for a worker)
+    and their lease origin (the start of the receive call that returned them) and deadline.
     """
 
-    expected: dict[str, str] = field(default_factory=dict)
-    maybe: dict[str, str] = field(default_factory=dict)
-    deliveries: list[tuple[str, int, str]] = field(default_factory=list)
-    acked: set[str] = field(default_factory=set)
-    acking: set[str] = field(default_factory=set)
-    dead: dict[str, int] = field(default_factory=dict)
-    order: list[tuple[str, str]] = field(default_factory=list)  #: ("D"|"A", id) in time order
+    def __init__(self, max_attempts: int | None = None, backend: str | None = None) -> None:
+        self.history = History(max_attempts=max_attempts)
+        #: When the release clock starts on this backend (``history.RELEASE_CLOCKS``).
+        self.release_clock = RELEASE_CLOCK.get(kind(backend), "deadline") if backend \
+            else "deadline"
+        self.expected: dict[str, str] = {}
+        self.acked: set[str] = set()
 
+    # -- recording ----------------------------------------------------------------------
     def confirm(self, mid: str, body: bytes) -> None:
+        """A publish of ``mid`` returned."""
         self.expected[mid] = digest(body)
+        self.history.publish(mid, digest(body))
 
-    def deliver(self, mid: str, attempt: int, body_digest: str) -> None:
-        self.deliveries.append((mid, attempt, body_digest))
-        self.order.append(("D", mid))
+    def in_flight(self, mid: str, body: bytes) -> None:
+        """A publish of ``mid`` may have reached the broker (in flight when the publisher
+        died, or it raised and was retried)."""
+        self.history.publish(mid, digest(body), confirmed=False)
 
-    def ack(self, mid: str) -> None:
-        self.acked.add(mid)
-        self.order.append(("A", mid))
+    def demote(self, mid: str) -> None:
+        """A confirmed ``mid`` that a non-durable broker wiped: only "maybe" now."""
+        self.expected.pop(mid, None)
+        self.history.publishes = [replace(p, confirmed=False) if p.id == mid else p
+                                  for p in self.history.publishes]
+
+    def deliver(self, mid: str, attempt: int, body_digest: str, *, holder: str,
+                start: float, deadline: float, returned: float | None = None) -> None:
+        self.history.deliver(mid, attempt, holder, start, deadline, body_digest, returned)
+
+    def received(self, msg: mqabstract.Message, sub: mqabstract.Subscription,
+                 returned: float | None, holder: str = "here") -> None:
+        """Record a message received in this process through ``sub``: its lease deadline
+        (now + what is left of it) and origin (the deadline - the group's lease)."""
+        deadline = time.monotonic() + msg.lease_remaining
+        self.deliver(msg.id, msg.attempt, digest(msg.body), holder=holder,
+                     start=deadline - sub.spec.lease, deadline=deadline, returned=returned)
+
+    def receive(self, sub: mqabstract.Subscription, max_messages: int, wait: float,
+                holder: str = "here") -> list[mqabstract.Message]:
+        """``sub.receive`` in this process, recorded: the call as a receive window of
+        ``holder``, each message it returned as a delivery."""
+        since = time.monotonic()
+        got = sub.receive(max_messages, wait)
+        returned = time.monotonic()
+        self.history.receiving(holder, since, returned)
+        for msg in got:
+            self.received(msg, sub, returned, holder)
+        return got
+
+    def ack(self, mid: str, holder: str = "here", t: float | None = None) -> None:
+        """An ack of ``mid`` that started at ``t`` (default: now) returned."""
+        self.settle(mid, ACKED, holder, t)
+
+    def settle(self, mid: str, outcome: str, holder: str = "here",
+               t: float | None = None) -> None:
+        self.history.settle(mid, holder, outcome, time.monotonic() if t is None else t)
+        if outcome == ACKED:
+            self.acked.add(mid)
+
+    # -- views --------------------------------------------------------------------------
+    @property
+    def maybe(self) -> dict[str, str]:
+        return {p.id: p.digest for p in self.history.publishes
+                if not p.confirmed and p.id not in self.expected}
+
+    @property
+    def dead(self) -> dict[str, int]:
+        return {d.id: d.attempts for d in self.history.dead_letters}
+
+    @property
+    def deliveries(self) -> list[tuple[str, int, str]]:
+        return [(d.id, d.attempt, d.digest) for d in self.history.deliveries]
 
     # -- analysis ---------------------------------------------------------------------
     def duplicates(self) -> int:
         """Deliveries beyond the first of each id (redeliveries of any cause)."""
-        return len(self.deliveries) - len({m for m, _, _ in self.deliveries})
+        return len(self.history.deliveries) - len({d.id for d in self.history.deliveries})
 
     def after_ack(self) -> int:
-        """Deliveries of an id after an ack of it had returned (allowed: at-least-once)."""
-        acked: set[str] = set()
-        count = 0
-        for kind, mid in self.order:
-            if kind == "A":
-                acked.add(mid)
-            elif mid in acked:
-                count += 1
-        return count
+        """Deliveries of an id that started after an ack of it had started (allowed:
+        at-least-once)."""
+        first_ack: dict[str, float] = {}
+        for s in self.history.settles:
+            if s.outcome == ACKED:
+                first_ack[s.id] = min(s.t, first_ack.get(s.id, s.t))
+        return sum(1 for d in self.history.deliveries
+                   if d.id in first_ack and d.start > first_ack[d.id])
 
-    def problems(self) -> list[str]:
-        """Every broken invariant, as readable lines (empty when all hold)."""
-        out: list[str] = []
-        known = {**self.maybe, **self.expected}
-        lost = sorted(self._lost())
-        if lost:
-            out.append(f"{len(lost)} confirmed messages neither acked nor dead-lettered: "
-                       f"{lost[:5]}")
-        strangers = sorted({m for m, _, _ in self.deliveries} - set(known))
-        if strangers:
-            out.append(f"delivered ids never published: {strangers[:5]}")
-        wrong = sorted({m for m, _, d in self.deliveries if m in known and d != known[m]})
-        if wrong:
-            out.append(f"ids delivered with other bytes than published: {wrong[:5]}")
-        undelivered_acks = sorted(self.acked - {m for m, _, _ in self.deliveries})
-        if undelivered_acks:
-            out.append(f"acked ids that were never delivered: {undelivered_acks[:5]}")
-        per_id: dict[str, list[int]] = defaultdict(list)
-        for mid, attempt, _ in self.deliveries:
-            per_id[mid].append(attempt)
-        # A publish retried with the same id after a lost confirm is a second copy on the
-        # broker; its deliveries start again at attempt 1. Within each copy attempts grow.
-        bad_attempts = {m: a for m, a in per_id.items()
-                        if a[0] < 1 or any(y <= x and y != 1 for x, y in itertools.pairwise(a))}
-        if bad_attempts:
-            sample = dict(list(bad_attempts.items())[:3])
-            out.append(f"attempts not strictly increasing per id: {sample}")
-        counts: dict[str, int] = defaultdict(int)
-        for mid, _, _ in self.deliveries:
-            counts[mid] += 1
-        early = {m: (n, counts[m]) for m, n in self.dead.items() if counts[m] < n}
-        if early:
-            sample = dict(list(early.items())[:4])
-            out.append("dead-lettered with more attempts than deliveries "
-                       f"(id: (attempts, deliveries seen)): {sample}")
-        return out
+    def problems(self, release_margin: float | None = None,
+                 dead_letter_duplicates: str | None = None,
+                 skip: dict[str, str] | None = None) -> list[str]:
+        """Every broken rule of the history checker, as readable lines (empty: all hold).
+        With ``$MQ_RELIABILITY_HISTORIES`` (a folder), the history and its verdict are
+        also written there as JSON, one file per judged scenario."""
+        found = check(self.history, release_margin=release_margin,
+                      release_clock=self.release_clock,
+                      dead_letter_duplicates=dead_letter_duplicates, skip=skip)
+        folder = os.environ.get("MQ_RELIABILITY_HISTORIES")
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            name = Path(folder) / f"history-{os.getpid()}-{secrets.token_hex(3)}.json"
+            name.write_text(json.dumps({"violations": found, "release_margin": release_margin,
+                                        "skip": skip, **self.history.to_json()}),
+                            encoding="utf-8")
+        return found
 
     def _lost(self) -> set[str]:
-        """Confirmed ids neither acked nor dead-lettered. An id whose consumer was killed
-        inside ack() (ACKING printed, ACKED not) may well be acked on the broker and then
-        never comes back: that is finished (in doubt), not lost."""
-        return set(self.expected) - self.acked - set(self.dead) - self.acking
+        """Confirmed ids neither acked nor dead-lettered nor acked in doubt (an id whose
+        consumer was killed inside ack() may well be acked on the broker and then never
+        comes back: that is finished, in doubt, not lost)."""
+        return set(self.expected) - self.acked - set(self.dead) - self.history.in_doubt()
 
     def summary(self) -> dict[str, Any]:
         settled = self.acked | set(self.dead)
         return {
             "confirmed": len(self.expected),
             "in_flight": len(self.maybe),
-            "delivered": len(self.deliveries),
-            "unique": len({m for m, _, _ in self.deliveries}),
+            "delivered": len(self.history.deliveries),
+            "unique": len({d.id for d in self.history.deliveries}),
             "duplicates": self.duplicates(),
             "redelivered_after_ack": self.after_ack(),
             "acked": len(self.acked),
             "dead_lettered": len(self.dead),
             "lost": len(self._lost()),
-            "ack_in_doubt": len((set(self.expected) & self.acking) - settled),
+            "ack_in_doubt": len((set(self.expected) & self.history.in_doubt()) - settled),
         }
 
 
@@ -201,6 +251,9 @@ class Worker:
             env=full_env,
         )
         self.lines: list[str] = []
+        self.holder = f"pid{self.proc.pid}"  #: its name in a History
+        self.killed_at: float | None = None  #: when this process SIGKILLed it
+        self.freezes: list[list[float | None]] = []  #: [SIGSTOP time, SIGCONT time or None]
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,),
                                         daemon=True)
@@ -239,10 +292,13 @@ class Worker:
 
     def freeze(self) -> None:
         """SIGSTOP: the process holds everything it has and does nothing (a GC or VM stall)."""
+        self.freezes.append([time.monotonic(), None])
         os.kill(self.proc.pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
+        if self.freezes and self.freezes[-1][1] is None:
+            self.freezes[-1][1] = time.monotonic()
 
     def tell(self, line: str = "go") -> None:
         """Write a line to the worker's stdin (``hold`` waits for one before settling)."""
@@ -253,6 +309,7 @@ class Worker:
     def kill(self) -> None:
         """SIGKILL (no cleanup of any kind in the child), then reap it."""
         if self.proc.poll() is None:
+            self.killed_at = time.monotonic()
             os.kill(self.proc.pid, signal.SIGKILL)
         self.finish(30)
 
@@ -261,6 +318,7 @@ class Worker:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.killed_at = time.monotonic()
             os.kill(self.proc.pid, signal.SIGKILL)
             code = self.proc.wait(30)
         self._reader.join(10)
@@ -298,7 +356,7 @@ def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, l
     """A worker process receives ``held_n`` messages and is SIGSTOPped holding them; a
     consumer here drains the group (acking into ``ledger``) until every confirmed id is
     acked; the holder stays frozen at least ``frozen_for`` seconds, is woken and tries to
-    ack what it held."""
+    ack what it held. The holder's deliveries, freeze and settles go to the history."""
     holder: Worker | None = None
     try:
         holder = Worker("hold", url, group, pattern, str(lease), str(held_n))
@@ -308,23 +366,22 @@ def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, l
         events = holder.events()
         started = next(float(e[1]) for e in events if e[0] == "RECVAT")
         held = {e[1]: int(e[2]) for e in events if e[0] == "RECV"}
-        for mid, attempt in held.items():
-            ledger.deliver(mid, attempt, digest(body_for(mid)))
         arrived: dict[str, tuple[float, int]] = {}
         with mq.subscribe(group, pattern, lease=lease, max_attempts=50) as sub:
             limit = time.monotonic() + lease + margin + 60
             while set(ledger.expected) - ledger.acked and time.monotonic() < limit:
-                for msg in sub.receive(100, 0.2):
-                    ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                for msg in ledger.receive(sub, 100, 0.2):
                     if msg.id in held:
                         arrived.setdefault(msg.id, (time.monotonic(), msg.attempt))
+                    at = time.monotonic()
                     msg.ack()
-                    ledger.ack(msg.id)
+                    ledger.ack(msg.id, t=at)
             time.sleep(max(0.0, frozen_at + frozen_for - time.monotonic()))
             frozen_s = time.monotonic() - frozen_at
             holder.thaw()
             holder.tell()
             code = holder.finish(60)
+        feed(ledger, holder)
         after = [e for e in holder.events() if e[0] in ("ACKED", "EXPIRED")]
         return Frozen(held, arrived, started, frozen_s, code, holder.stderr, after)
     finally:
@@ -334,28 +391,59 @@ def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, l
 
 
 def feed(ledger: Ledger, *workers: Worker) -> None:
-    """Add consumer workers' RECV / ACKED lines to the ledger (after they exited), merged
-    in time order when they ran at the same time (the lines carry time.monotonic())."""
-    lines = [ev for w in workers for ev in w.events()]
-    if len(workers) > 1:
-        stamped = [ev for ev in lines if ev[0] in ("RECV", "ACKED")]
-        lines = [ev for ev in lines if ev[0] not in ("RECV", "ACKED")]
-        lines += sorted(stamped, key=lambda ev: float(ev[-1]))
-    for ev in lines:
-        if ev[0] == "RECV":
-            ledger.deliver(ev[1], int(ev[2]), ev[3])
-        elif ev[0] == "ACKED":
-            ledger.ack(ev[1])
-        elif ev[0] == "ACKING":
-            ledger.acking.add(ev[1])
+    """Add worker processes' lines to the ledger's history (after they exited): their
+    deliveries (holder ``pid<N>``, lease origin and deadline), settles, the window in which
+    each was receiving (its ``CALL`` lines: each receive call; without them ``READY`` to
+    ``HELD`` / ``DONE`` / its death), and the kills (by this process, or its own ``KILL``
+    line) and freezes done to it."""
+    history = ledger.history
+    for w in workers:
+        who = w.holder
+        began: float | None = None
+        end: float | None = None
+        died = w.killed_at
+        calls = False
+        ack_from: dict[str, float] = {}
+        for ev in w.events():
+            tag = ev[0]
+            if tag == "READY" and len(ev) > 2:
+                began = float(ev[2])
+            elif tag == "RECV":
+                ledger.deliver(ev[1], int(ev[2]), ev[3], holder=who, start=float(ev[4]),
+                               deadline=float(ev[5]),
+                               returned=None if ev[6] == "-" else float(ev[6]))
+            elif tag == "ACKING":
+                ack_from[ev[1]] = float(ev[2])
+                ledger.settle(ev[1], ACK_STARTED, who, float(ev[2]))
+            elif tag == "ACKED":
+                ledger.settle(ev[1], ACKED, who, ack_from.get(ev[1], float(ev[2])))
+            elif tag == "EXPIRED":
+                ledger.settle(ev[1], LEASE_EXPIRED, who, float(ev[2]))
+            elif tag == "CALL":
+                calls = True
+                history.receiving(who, float(ev[1]), float(ev[2]))
+            elif tag == "KILL":
+                died = float(ev[1])
+            elif tag in ("DONE", "HELD") and len(ev) > 1 and end is None:
+                end = float(ev[1])  # (a holder stops receiving once it holds its messages)
+        if died is not None:
+            history.killed(who, died)
+            end = died if end is None else min(end, died)
+        for t0, t1 in w.freezes:
+            assert t0 is not None
+            history.frozen(who, t0, t1)
+        if began is not None and not calls:
+            history.receiving(who, began, end)
 
 
 def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: float,
-          want: set[str] | None = None, errors: list[str] | None = None) -> None:
+          want: set[str] | None = None, errors: list[str] | None = None,
+          holder: str = "here") -> None:
     """Receive and ack until ``want`` is finished and nothing came for ``quiet`` seconds.
 
     With *errors*, a retryable MQError of receive (a broker coming back) is recorded there
-    and retried; any other error propagates.
+    and retried; any other error propagates. Receive calls and deliveries are recorded as
+    ``holder``'s.
     """
     deadline = time.monotonic() + limit
     last = time.monotonic()
@@ -364,7 +452,7 @@ def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: flo
         if done and time.monotonic() - last >= quiet:
             return
         try:
-            got = sub.receive(20, 0.5)
+            got = ledger.receive(sub, 20, 0.5, holder)
         except mqabstract.MQError as exc:
             if errors is None or not exc.retryable:
                 raise
@@ -373,12 +461,13 @@ def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: flo
             continue
         for msg in got:
             last = time.monotonic()
-            ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+            at = time.monotonic()
             try:
                 msg.ack()
             except mqabstract.LeaseExpired:  # a slow broker: it comes back, attempt + 1
+                ledger.settle(msg.id, LEASE_EXPIRED, holder, at)
                 continue
-            ledger.ack(msg.id)
+            ledger.ack(msg.id, holder, at)
 
 
 class Publisher(threading.Thread):
@@ -393,6 +482,8 @@ class Publisher(threading.Thread):
         self.errors: list[str] = []
         self.untyped: list[str] = []
         self.retried: set[str] = set()
+        #: one entry per publish call that raised: a copy of that id may be on the broker
+        self.failed: list[str] = []
         self.last_error = ""
 
     def run(self) -> None:
@@ -405,10 +496,12 @@ class Publisher(threading.Thread):
                 self.errors.append(type(exc).__name__)
                 self.last_error = str(exc)[:300]
                 self.retried.add(mid)
+                self.failed.append(mid)
                 self.stop.wait(0.2)
                 continue  # same id again
             except Exception as exc:  # a raw client exception leaked: a bug
                 self.untyped.append(f"{type(exc).__name__}: {exc}")
+                self.failed.append(mid)
                 self.stop.wait(0.2)
                 continue
             self.confirmed.append((mid, time.monotonic()))
@@ -428,30 +521,44 @@ def hold_some(mq: mqabstract.Broker, sub: mqabstract.Subscription, topic: str, t
     held: list[mqabstract.Message] = []
     deadline = time.monotonic() + 30
     while len(held) < 6 and time.monotonic() < deadline:
-        held += sub.receive(6 - len(held), 1.0)
+        held += ledger.receive(sub, 6 - len(held), 1.0)
     for n, msg in enumerate(held):
-        ledger.deliver(msg.id, msg.attempt, digest(msg.body))
         if n % 2 == 0:
+            at = time.monotonic()
             msg.ack()
-            ledger.ack(msg.id)
+            ledger.ack(msg.id, t=at)
     return held
 
 
-def ack_stale(held: list[mqabstract.Message], errors: list[str]) -> None:
-    """Ack receipts taken before a fault: accepted, or a typed error (recorded)."""
+def ack_stale(held: list[mqabstract.Message], errors: list[str],
+              ledger: Ledger | None = None) -> None:
+    """Ack receipts taken before a fault: accepted (recorded in ``ledger``), or a typed
+    error (recorded in ``errors``)."""
     for msg in held:
+        at = time.monotonic()
         try:
             msg.ack()
         except mqabstract.MQError as exc:
             errors.append(type(exc).__name__)
+            if ledger is not None and isinstance(exc, mqabstract.LeaseExpired):
+                ledger.settle(msg.id, LEASE_EXPIRED, "here", at)
+        else:
+            if ledger is not None:
+                ledger.ack(msg.id, t=at)
 
 
-def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger) -> None:
-    """Record the group's dead letters (id → attempts) in the ledger."""
+def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger,
+                 exhausted_too: tuple[str, ...] = ()) -> None:
+    """Record the group's dead letters (id, attempts, reason) in the ledger's history.
+    A dead letter ran out of attempts when its reason is one the portable layer writes for
+    lease expiries and final nacks, or one of ``exhausted_too`` (e.g. the error the consume
+    loop dead-letters a failing handler's message with on its last attempt)."""
     if not broker.capabilities.supports(mqabstract.Feature.DEAD_LETTER):
         return
-    for dl in broker.dead_letters(group, limit=1000):
-        ledger.dead[dl.id] = dl.attempts
+    for dl in broker.dead_letters(group, limit=10_000):
+        ledger.history.dead_letter(
+            dl.id, dl.attempts, dl.reason,
+            dl.reason.startswith(EXHAUSTED_PREFIXES) or dl.reason in exhausted_too)
 
 
 def spare_port(start: int, also: tuple[int, ...] = ()) -> int:

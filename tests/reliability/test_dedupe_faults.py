@@ -2,10 +2,16 @@
 killed between their handler's success and the ack (and inside the handler's transaction);
 every id's side effect must happen exactly once, none missing, none twice. Whatever the last
 consumers leave (a killed member's partitions still being rebalanced) is finished by this
-process through the same store, so "missing" means lost, not late."""
+process through the same store, so "missing" means lost, not late.
+
+The one history checker judges it: rule ``effects`` (each id's side effect exactly once,
+from the store's ``effects`` table), ``attempts`` (the deliveries each handler saw, printed
+by the workers) and ``dead-letters``. The workers run ``consume()``, which settles inside
+the loop without printing, so the rules that need settles are skipped (``SKIPPED``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sqlite3
@@ -17,8 +23,29 @@ import pytest
 import mqabstract
 from mqabstract.dedupe import SQLiteStore
 
-from .support import LEASE, Reporter, Worker, cleanup, kind, seed_for, token
-from .test_faults import PROCESS_BACKENDS, QUIET
+from .support import (
+    LEASE,
+    Ledger,
+    Reporter,
+    Worker,
+    cleanup,
+    collect_dead,
+    feed,
+    kind,
+    seed_for,
+    token,
+)
+from .test_faults import PROCESS_BACKENDS, QUIET, _emit
+
+#: Rules this scenario cannot judge, and why.
+SKIPPED = {
+    "lost": "acks happen inside consume() and are not printed; 'effects' (each confirmed "
+            "id's side effect exactly once) is this scenario's loss check",
+    "second-holder": "settles happen inside consume() and are not printed: a redelivery "
+                     "after an ack cannot be told from one under a valid lease",
+    "release": "settles are not printed: which messages a killed worker still held is "
+               "unknown",
+}
 
 #: Messages and kills per backend: 10,000 on the embedded default and RabbitMQ; fewer
 #: where each kill costs seconds (a Kafka rebalance) or moto is slow (~15 messages/s here).
@@ -40,10 +67,11 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
     count, kills = COUNT[kind(backend)], KILLS[kind(backend)]
     span = max(2, count // (kills + WORKERS) // 2)  # the Nth handled message dies
     store = tmp_path / "dedupe.db"
-    with sqlite3.connect(store) as db:
+    with contextlib.closing(sqlite3.connect(store)) as db, db:
         db.execute("CREATE TABLE effects (id TEXT, attempt INT, pid INT)")
     idle = QUIET[kind(backend)] + LEASE
     started = time.monotonic()
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
         try:
@@ -52,6 +80,8 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
                 ids += mq.publish_batch(
                     [mqabstract.OutgoingMessage(topic, b"work", id=f"{tok}-{i}")
                      for i in range(start, min(count, start + 500))])
+            for mid in ids:
+                ledger.confirm(mid, b"work")
 
             plans = [f"{'after' if n % 2 == 0 else 'inside'}:{rng.randint(1, span)}"
                      for n in range(kills)]
@@ -88,6 +118,7 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
                     mq.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
 
                 def handler(msg: mqabstract.Message) -> None:
+                    ledger.received(msg, sub, time.monotonic())
                     with dedupe.transaction(msg) as db:
                         db.execute("INSERT INTO effects VALUES (?, ?, ?)",
                                    (msg.id, msg.attempt, os.getpid()))
@@ -95,22 +126,29 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
                 margin = mq.capabilities.release_margin
                 tail = sub.consume(handler, dedupe=dedupe,
                                    idle_timeout=QUIET[kind(backend)] + LEASE + margin)
+            collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
     rows = dict(sqlite3.connect(store).execute(
         "SELECT id, count(*) FROM effects GROUP BY id").fetchall())
     twice = sorted(mid for mid, n in rows.items() if n > 1)
     missing = sorted(set(ids) - set(rows))
+    feed(ledger, *killed, *finished)
+    for mid, n in rows.items():
+        ledger.history.effect(mid, n)
+    if ledger.history.effects is None:
+        ledger.history.effects = {}
     after_commit = sum(1 for w in killed for e in w.events() if e[0] == "KILLED")
     stats = [e for w in finished for e in w.events() if e[0] == "STATS"]
     duplicates = sum(int(e[3]) for e in stats) + tail.duplicates
-    reporter.emit(scenario="dedupe SIGKILL", backend=backend, confirmed=count,
-                  kills=len(killed), kills_after_commit=after_commit, duplicates=duplicates,
-                  effects_twice=len(twice), lost=len(missing), problems=len(twice),
-                  finished_here=tail.received - tail.duplicates,
-                  seconds=round(time.monotonic() - started, 1), seed=seed)
-    assert not twice, f"{len(twice)} side effects happened twice: {twice[:5]}"
-    assert not missing, f"{len(missing)} ids never processed: {missing[:5]}"
+    problems = _emit(ledger, reporter, release_margin=margin, skip=SKIPPED,
+                     scenario="dedupe SIGKILL", backend=backend, kills=len(killed),
+                     kills_after_commit=after_commit, duplicates=duplicates,
+                     lost=len(missing), confirmed=count,
+                     effects_twice=len(twice), effects_missing=len(missing),
+                     finished_here=tail.received - tail.duplicates,
+                     seconds=round(time.monotonic() - started, 1), seed=seed)
+    assert not problems, "\n".join(problems)
     # The first consumers start with every message pending: the first plan (after a commit,
     # within the first ``span`` messages) always comes true; later ones may find the work
     # already done and exit normally.

@@ -1,9 +1,12 @@
 """Fault injection: killed consumers and publishers, abandoned leases, poison messages.
 
-Every scenario keeps a :class:`Ledger` and asserts the same things: each publish that
-returned is finally acked or dead-lettered, nothing is delivered that was never published,
-a redelivery carries the same id and the same bytes, and attempts grow per id. Duplicates
-are allowed (at-least-once) and counted in the report.
+Every scenario records a history in a :class:`Ledger` (publishes, deliveries with their
+holder and lease, settles, kills and freezes, dead letters) and the one history checker
+(``history.check``, DESIGN "Reliability: one history checker") judges it: nothing
+confirmed is lost, attempts strictly increase per id, no second holder while a lease is
+valid, a killed or abandoned holder's messages come back within lease + the backend's
+``release_margin``, dead letters at ``max_attempts`` and once. Duplicates are allowed
+(at-least-once) and counted in the report.
 
 Process kills apply to backends shared between processes; the in-process memory hub gets
 the "abandoned consumer" variant (a consumer that stops without settling or closing).
@@ -20,6 +23,7 @@ import pytest
 import mqabstract
 from mqabstract import Backoff, Feature
 
+from .history import DEAD_LETTERED, NACKED
 from .support import (
     LEASE,
     Ledger,
@@ -28,7 +32,6 @@ from .support import (
     body_for,
     cleanup,
     collect_dead,
-    digest,
     drain,
     feed,
     kind,
@@ -44,15 +47,21 @@ PROCESS_BACKENDS = ("sqlite", "rabbitmq", "kafka", "sqs")
 QUIET = {"memory": 0.5, "sqlite": 1.0, "rabbitmq": 1.5, "sqs": 2.5, "kafka": 4.0}
 
 
-def _emit(ledger: Ledger, reporter: Reporter, **row: object) -> list[str]:
-    """Report the scenario's counts (also when it is about to fail); return problems."""
-    problems = ledger.problems()
-    reporter.emit(**row, **ledger.summary(), problems=len(problems))
+def _emit(ledger: Ledger, reporter: Reporter, *, release_margin: float | None,
+          skip: dict[str, str] | None = None, **row: object) -> list[str]:
+    """Judge the scenario's history (``release_margin``: the backend's; ``skip``:
+    rules this scenario cannot judge, with why), report its counts (also when it is about
+    to fail) and return the violations."""
+    problems = ledger.problems(release_margin=release_margin, skip=skip)
+    counts = {**ledger.summary(), **row}  # (a scenario may count some itself)
+    reporter.emit(**counts, problems=len(problems),
+                  **({"skipped_rules": sorted(skip)} if skip else {}))
     return problems
 
 
-def _check(ledger: Ledger, reporter: Reporter, **row: object) -> None:
-    problems = _emit(ledger, reporter, **row)
+def _check(ledger: Ledger, reporter: Reporter, *, release_margin: float | None,
+           skip: dict[str, str] | None = None, **row: object) -> None:
+    problems = _emit(ledger, reporter, release_margin=release_margin, skip=skip, **row)
     assert not problems, "\n".join(problems)
 
 
@@ -65,8 +74,9 @@ def test_consumer_sigkill(backend: str, rel_url: str, reporter: Reporter) -> Non
     rng = random.Random(seed)
     tok = token()
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
+        margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
         try:
             ids = mq.publish_batch(
@@ -104,8 +114,8 @@ def test_consumer_sigkill(backend: str, rel_url: str, reporter: Reporter) -> Non
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
-    _check(ledger, reporter, scenario="consumer SIGKILL", backend=backend, kills=kills,
-           seed=seed)
+    _check(ledger, reporter, release_margin=margin, scenario="consumer SIGKILL", backend=backend,
+           kills=kills, seed=seed)
 
 
 # -- publisher killed mid-batch -------------------------------------------------------------
@@ -117,23 +127,22 @@ def test_publisher_sigkill(backend: str, rel_url: str, reporter: Reporter) -> No
     rng = random.Random(seed)
     tok = token()
     topic, pattern, group = f"rel.{tok}.pub", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq:
+        margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=10.0, max_attempts=50)
         try:
             worker = Worker("publish", rel_url, topic, "100000", tok, str(seed))
             assert worker.wait_for("PUB", rng.randint(15, 40), 90), worker.stderr
             time.sleep(rng.uniform(0.0, 0.05))  # land inside a publish or a batch
             worker.kill()
+            tried = {m for ev in worker.events() if ev[0] == "TRY" for m in ev[1:]}
             for ev in worker.events():
-                if ev[0] == "TRY":
-                    for mid in ev[1:]:
-                        ledger.maybe[mid] = digest(body_for(mid))
-                elif ev[0] == "PUB":
+                if ev[0] == "PUB":
                     for mid in ev[1:]:
                         ledger.confirm(mid, body_for(mid))
-            for mid in ledger.expected:
-                ledger.maybe.pop(mid, None)
+            for mid in sorted(tried - set(ledger.expected)):  # in flight at the kill
+                ledger.in_flight(mid, body_for(mid))
             assert ledger.expected, "publisher was killed before any publish returned"
             with mq.subscribe(group, pattern, lease=10.0, max_attempts=50) as sub:
                 drain(sub, ledger, QUIET[kind(backend)], 60, set(ledger.expected))
@@ -141,8 +150,8 @@ def test_publisher_sigkill(backend: str, rel_url: str, reporter: Reporter) -> No
         finally:
             cleanup(mq, group)
     in_flight_delivered = len(set(ledger.maybe) & ledger.acked)
-    _check(ledger, reporter, scenario="publisher SIGKILL", backend=backend, kills=1,
-           in_flight_delivered=in_flight_delivered, seed=seed)
+    _check(ledger, reporter, release_margin=margin, scenario="publisher SIGKILL", backend=backend,
+           kills=1, in_flight_delivered=in_flight_delivered, seed=seed)
 
 
 # -- abandoned consumer (the in-process form of a crash) ---------------------------------------
@@ -151,8 +160,9 @@ def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> N
     thread): after the lease, another consumer gets them with attempt + 1."""
     tok = token()
     topic, pattern, group = f"rel.{tok}.a", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(rel_url) as mq, mqabstract.connect(rel_url) as other:
+        margin = mq.capabilities.release_margin
         try:
             hung = mq.subscribe(group, pattern, lease=LEASE, max_attempts=50)
             for mid in mq.publish_batch([mqabstract.OutgoingMessage(
@@ -163,21 +173,24 @@ def test_abandoned_consumer(backend: str, rel_url: str, reporter: Reporter) -> N
             while len(taken) < 10 and time.monotonic() < deadline:
                 # Every other one is acked as it comes, within its lease (collecting all ten
                 # first could outlast the 2 s lease of the first ones on a slow broker).
-                for msg in hung.receive(10 - len(taken), 1.0):
-                    ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                for msg in ledger.receive(hung, 10 - len(taken), 1.0, holder="hung"):
                     if len(taken) % 2 == 0:
+                        at = time.monotonic()
                         msg.ack()
-                        ledger.ack(msg.id)
+                        ledger.ack(msg.id, "hung", at)
                     taken.append(msg)
             assert taken, "the first consumer got nothing"
-            # ``hung`` is never used again: its leases must run out.
+            # ``hung`` is never used again: its leases must run out. In the history it is
+            # a holder frozen from now to the end.
+            ledger.history.frozen("hung", time.monotonic(), None)
             with other.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
                 drain(sub, ledger, QUIET[kind(backend)] + LEASE, 60, set(ledger.expected))
             back = [m for m in taken if m.id not in {t.id for t in taken[::2]}]
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
-    problems = _emit(ledger, reporter, scenario="abandoned consumer", backend=backend, kills=1)
+    problems = _emit(ledger, reporter, release_margin=margin, scenario="abandoned consumer",
+                     backend=backend, kills=1)
     attempts = {mid: a for mid, a, _ in ledger.deliveries}  # the last attempt seen per id
     assert all(attempts[m.id] >= 2 for m in back), attempts
     assert not problems, "\n".join(problems)
@@ -189,12 +202,13 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
     are acked on their first delivery, long before the poison ones are given up."""
     tok = token()
     topic, pattern, group = f"rel.{tok}.p", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=3, backend=backend)
     poison: set[str] = set()
     normal: set[str] = set()
     acked_at: dict[str, float] = {}
     stop = threading.Event()
     with mqabstract.connect(rel_url) as mq:
+        margin = mq.capabilities.release_margin
         try:
             sub = mq.subscribe(group, pattern, lease=5.0, max_attempts=3)
             batch = [
@@ -209,7 +223,10 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
             last_poison_failure = [0.0]
 
             def handler(msg: mqabstract.Message) -> None:
-                ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                # The receive call had returned by now (the latest time for it); the
+                # consume loop settles after the handler returns: the settle is recorded
+                # here, a moment before it starts.
+                ledger.received(msg, sub, time.monotonic())
                 is_poison = msg.headers.get("poison") == "raise"
                 if is_poison:
                     fails[msg.id] = fails.get(msg.id, 0) + 1
@@ -220,18 +237,23 @@ def test_poison_messages_do_not_block(backend: str, rel_url: str, reporter: Repo
                 if len(acked_at) == len(normal) and all(fails.get(p, 0) >= 3 for p in poison):
                     stop.set()
                 if is_poison:
+                    ledger.settle(msg.id, DEAD_LETTERED if msg.attempt >= 3 else NACKED)
                     raise ValueError("poison")
 
             # Poison retries 1.5 s apart: the last failure comes ≥ 3 s after the first, time
             # for the 30 others on a slow broker too (moto under a loaded CI took 2.2 s).
+            since = time.monotonic()
             stats = sub.consume(handler, idle_timeout=30, wait=0.5, stop=stop,
                                 backoff=Backoff(initial=1.5, maximum=1.5, jitter=0))
+            ledger.history.receiving("here", since, time.monotonic())
             sub.close()
-            collect_dead(mq, group, ledger)
+            # the consume loop dead-letters a handler's error on the last attempt: the
+            # attempts ran out, so it must carry max_attempts
+            collect_dead(mq, group, ledger, exhausted_too=("ValueError: poison",))
         finally:
             cleanup(mq, group)
-    problems = _emit(ledger, reporter, scenario="poison (handler raises)", backend=backend,
-                     kills=0, poison=len(poison))
+    problems = _emit(ledger, reporter, release_margin=margin, scenario="poison (handler raises)",
+                     backend=backend, kills=0, poison=len(poison))
     assert set(ledger.dead) == poison, f"dead letters {ledger.dead} != poison {poison}"
     assert all(n == 3 for n in ledger.dead.values()), ledger.dead
     firsts = {mid: a for mid, a, _ in ledger.deliveries if mid in normal}
@@ -251,8 +273,8 @@ def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
     rng = random.Random(seed)
     tok = token()
     topic, pattern, group = f"rel.{tok}.k", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
     max_attempts = 2
+    ledger = Ledger(max_attempts=max_attempts, backend=backend)
     # The worker takes one message at a time. On RabbitMQ the client also prefetches
     # (`prefetch`, default 100), and a crashed process's prefetched messages come back
     # counted as delivered (x-delivery-count): exact crash attempts need prefetch=1, as
@@ -260,6 +282,7 @@ def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
     if backend == "rabbitmq":
         rel_url += ("&" if "?" in rel_url else "?") + "prefetch=1"
     with mqabstract.connect(rel_url) as mq:
+        margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=max_attempts)
         try:
             batch = [
@@ -284,8 +307,8 @@ def test_poison_that_kills_the_consumer(backend: str, rel_url: str,
             collect_dead(mq, group, ledger)
         finally:
             cleanup(mq, group)
-    problems = _emit(ledger, reporter, scenario="poison (kills consumer)", backend=backend,
-                     kills=kills, seed=seed)
+    problems = _emit(ledger, reporter, release_margin=margin, scenario="poison (kills consumer)",
+                     backend=backend, kills=kills, seed=seed)
     assert kills == max_attempts, f"{kills} crashes for max_attempts={max_attempts}"
     seen = {mid: [a for m, a, _ in ledger.deliveries if m == mid] for mid in ledger.dead}
     assert list(ledger.dead) == [f"{tok}-5"], f"dead: {ledger.dead}; their deliveries {seen}"

@@ -12,10 +12,17 @@ Scenarios (each on both clients: ``kafka`` = confluent-kafka, ``kafka-python``):
 * SIGKILL a follower (a node leading none of the topic's partitions when there is one);
 * restart the whole cluster under a subscribed consumer and a retrying publisher;
 * a consumer SIGSTOPped longer than session + lease: another gets its messages with a
-  higher attempt, its late acks raise ``LeaseExpired``.
+  higher attempt, its late acks raise ``LeaseExpired``;
+* the plain URL (no replication options: the driver's defaults must make the topics
+  replicated, 3 replicas and ``min.insync.replicas`` 2 on three brokers): SIGKILL the leader
+  of partition 0 under load, next to a plain confluent-kafka consumer group on the same
+  topic; the delivery pause of both is reported.
 
-Invariants (``Ledger.problems``): every confirmed id is acked (lost 0), bodies intact,
-attempts strictly increase per id (per copy); consumption goes on after the kill.
+Invariants: the one history checker (``history.check``: nothing confirmed lost, bodies
+intact, attempts strictly increase per id and copy, no second holder while a lease is
+valid, a frozen holder's messages back within lease + release margin, dead letters) with
+the cluster's ``release_margin``; consumption goes on after the kill. A whole-cluster
+restart is recorded as the end of the consumer's session (its leases end with it).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from typing import Any
 import pytest
 
 import mqabstract
-from backends.kafka.names import internal, kafka_topic_name
+from backends.kafka.names import REGISTRY, internal, kafka_topic_name
+from mqabstract import wire
 from tests.brokers import in_ci
 
+from .history import LEASE_EXPIRED
 from .support import (
     LEASE,
     Ledger,
@@ -42,7 +51,6 @@ from .support import (
     Reporter,
     body_for,
     cleanup,
-    digest,
     drain,
     freeze_a_holder,
     spare_port,
@@ -155,6 +163,8 @@ class _BatchPublisher(threading.Thread):
         self.stop = threading.Event()
         self.confirmed: list[tuple[str, float]] = []
         self.attempted: set[str] = set()
+        #: one entry per id of a batch call that did not confirm it: a copy may have landed
+        self.failed: list[str] = []
         self.pending: list[str] = []
         self.errors: list[str] = []
         self.untyped: list[str] = []
@@ -184,6 +194,7 @@ class _BatchPublisher(threading.Thread):
             now = time.monotonic()
             self.confirmed += [(m, now) for m in done]
             self.pending = [m for m in ids if m not in set(done)]
+            self.failed += self.pending
             self.stop.wait(0.2 if self.pending else 0.05)
 
 
@@ -211,7 +222,7 @@ class _Consumer(threading.Thread):
             ):
                 return
             try:
-                msgs = self.sub.receive(50, 0.5)
+                msgs = self.ledger.receive(self.sub, 50, 0.5)
             except mqabstract.MQError as exc:
                 self.errors.append(type(exc).__name__)
                 if not exc.retryable:
@@ -222,16 +233,17 @@ class _Consumer(threading.Thread):
             for msg in msgs:
                 last = time.monotonic()
                 self.times.append(last)
-                self.ledger.deliver(msg.id, msg.attempt, digest(msg.body))
+                at = time.monotonic()
                 try:
                     msg.ack()
                 except mqabstract.LeaseExpired:  # it comes back with attempt + 1
                     self.errors.append("LeaseExpired")
+                    self.ledger.settle(msg.id, LEASE_EXPIRED, "here", at)
                     continue
                 except mqabstract.MQError as exc:
                     self.errors.append(type(exc).__name__)
                     continue
-                self.ledger.ack(msg.id)
+                self.ledger.ack(msg.id, t=at)
 
 
 def _node_failure(cluster: Any, backend: str, reporter: Reporter, role: str) -> None:
@@ -240,8 +252,9 @@ def _node_failure(cluster: Any, backend: str, reporter: Reporter, role: str) -> 
     url = _url(cluster, backend)
     tok = token("k")
     topic, pattern, group = f"rel.{tok}.load", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=50, backend=backend)
     with mqabstract.connect(url) as mq, mqabstract.connect(url) as cmq:
+        margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
         sub = cmq.subscribe(group, pattern, lease=LEASE, max_attempts=50)
         pub = _BatchPublisher(mq, topic, tok)
@@ -280,8 +293,8 @@ def _node_failure(cluster: Any, backend: str, reporter: Reporter, role: str) -> 
             pub.join(60)
             for mid, _ in pub.confirmed:
                 ledger.confirm(mid, body_for(mid))
-            for mid in pub.attempted - set(ledger.expected):
-                ledger.maybe[mid] = digest(body_for(mid))
+            for mid in pub.failed:
+                ledger.in_flight(mid, body_for(mid))
             con.want = set(ledger.expected)
             con.limit = time.monotonic() + 120
             con.finish.set()
@@ -301,7 +314,7 @@ def _node_failure(cluster: Any, backend: str, reporter: Reporter, role: str) -> 
     stamps = sorted([killed_at, *con.times])
     gap = max((b - a for a, b in itertools.pairwise(stamps) if b > killed_at), default=0.0)
     confirmed_during = sum(1 for _, t in pub.confirmed if killed_at < t < back_at)
-    problems = ledger.problems()
+    problems = ledger.problems(release_margin=margin)
     reporter.emit(scenario=f"kafka cluster: SIGKILL {role}", backend=backend, kills=1,
                   published=len(pub.attempted), **ledger.summary(), problems=len(problems),
                   node=victim_id, leaders_before=leaders, **roles, leaders_during=new_leaders,
@@ -346,9 +359,10 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
     url = _url(cluster, backend)
     tok = token("w")
     topic, pattern, group = f"rel.{tok}.r", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=50, backend=backend)
     errors: list[str] = []
     with mqabstract.connect(url) as mq:
+        margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=LEASE, max_attempts=50)
         sub = mq.subscribe(group, pattern, lease=LEASE, max_attempts=50)
         pub = Publisher(mq, topic, f"{tok}-p")
@@ -362,6 +376,7 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
             pub.start()
             time.sleep(1.0)
             stopped_at = time.monotonic()
+            ledger.history.session_lost("here", stopped_at)
             cluster.stop()
             down_s = time.monotonic() - stopped_at
             time.sleep(2.0)
@@ -374,8 +389,8 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
             pub.join(60)
             for mid, _ in pub.confirmed:
                 ledger.confirm(mid, body_for(mid))
-            for mid in pub.retried - set(ledger.expected):
-                ledger.maybe[mid] = digest(body_for(mid))
+            for mid in pub.failed:  # a publish that raised may have landed: a copy
+                ledger.in_flight(mid, body_for(mid))
             try:
                 drain(sub, ledger, 4.0 + LEASE, 120, set(ledger.expected), errors=errors)
             except mqabstract.MQError as exc:
@@ -385,7 +400,7 @@ def test_whole_cluster_restart(cluster: Any, backend: str, reporter: Reporter) -
             _heal(cluster)
             sub.close()
             cleanup(mq, group)
-    problems = ledger.problems()
+    problems = ledger.problems(release_margin=margin)
     after = sum(1 for _, t in pub.confirmed if t > back_at)
     reporter.emit(scenario="kafka cluster: restart all nodes", backend=backend, kills=1,
                   published=len({m for m, _ in pub.confirmed} | pub.retried) + len(before),
@@ -407,7 +422,7 @@ def test_consumer_stalled_past_session(cluster: Any, backend: str, reporter: Rep
     url = _url(cluster, backend)
     tok = token("s")
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
-    ledger = Ledger()
+    ledger = Ledger(max_attempts=50, backend=backend)
     held_n = 10
     with mqabstract.connect(url) as mq:
         margin = mq.capabilities.release_margin
@@ -423,7 +438,7 @@ def test_consumer_stalled_past_session(cluster: Any, backend: str, reporter: Rep
         finally:
             cleanup(mq, group)
     held, arrived, after, code = run.held, run.arrived, run.after, run.code
-    problems = ledger.problems()
+    problems = ledger.problems(release_margin=margin)
     took = max((t for t, _ in arrived.values()), default=float("nan")) - run.started
     expired = sum(1 for e in after if e[0] == "EXPIRED")
     reporter.emit(scenario="kafka cluster: consumer stalled past session", backend=backend,
@@ -437,3 +452,158 @@ def test_consumer_stalled_past_session(cluster: Any, backend: str, reporter: Rep
     assert not lower, f"redelivered without a higher attempt (held, again): {lower}"
     assert not problems, "\n".join(problems)
     assert [e[0] for e in after] == ["EXPIRED"] * len(held), after
+
+
+class _RawConsumer(threading.Thread):
+    """The baseline: a plain confluent-kafka consumer, alone in its own group, on the same
+    Kafka topic (earliest, auto commit, the driver's session and heartbeat); records when
+    each record arrived and its ``mq-id``."""
+
+    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic, self.group = bootstrap, topic, group
+        self.stop = threading.Event()
+        self.times: list[float] = []
+        self.ids: set[str] = set()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        from confluent_kafka import Consumer
+
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
+                             "auto.offset.reset": "earliest", "enable.auto.commit": True,
+                             "session.timeout.ms": int(SESSION * 1000),
+                             "heartbeat.interval.ms": 1000, "log_level": 3})
+        consumer.subscribe([self.topic])
+        try:
+            while not self.stop.is_set():
+                for rec in consumer.consume(200, 0.5):
+                    if rec.error() is not None:
+                        self.errors.append(rec.error().name())
+                        continue
+                    mid = dict(rec.headers() or ()).get(wire.ID)
+                    self.times.append(time.monotonic())
+                    if mid is not None:
+                        self.ids.add(mid.decode())
+        finally:
+            consumer.close()
+
+
+def _pause(times: list[float], since: float, until: float) -> float:
+    """The longest stretch without a delivery between ``since`` (the node loss) and
+    ``until`` (publishing stopped)."""
+    stamps = [since, *sorted(t for t in times if since < t < until), until]
+    return max(b - a for a, b in itertools.pairwise(stamps))
+
+
+def _replication(cluster: Any, topics: list[str]) -> dict[str, tuple[int, str]]:
+    """Per Kafka topic: (fewest replicas of a partition, its min.insync.replicas)."""
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    bootstrap = ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes if n.running())
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    meta = admin.list_topics(timeout=15).topics
+    out: dict[str, tuple[int, str]] = {}
+    for topic in topics:
+        replicas = min(len(p.replicas) for p in meta[topic].partitions.values())
+        res = ConfigResource("topic", topic)
+        config = admin.describe_configs([res])[res].result(timeout=15)
+        out[topic] = (replicas, config["min.insync.replicas"].value)
+    return out
+
+
+def test_plain_url_sigkill_leader(cluster: Any, backend: str, reporter: Reporter) -> None:
+    """The plain cluster URL, no replication options: the driver's defaults replicate its
+    topics (3 replicas, min.insync.replicas 2), so SIGKILLing the leader of partition 0
+    under load loses no confirmed message. A plain confluent-kafka consumer group reads the
+    same topic meanwhile: its delivery pause after the kill is the baseline for ours."""
+    _heal(cluster)
+    url = with_client(backend, cluster.url)  # nothing else: the defaults are under test
+    tok = token("p")
+    topic, pattern, group = f"rel.{tok}.load", f"rel.{tok}.#", f"rel-{tok}"
+    kafka_topic = kafka_topic_name(topic)
+    bootstrap = cluster.url.removeprefix("kafka://")
+    ledger = Ledger(max_attempts=50, backend=backend)
+    with mqabstract.connect(url) as mq, mqabstract.connect(url) as cmq:
+        margin = mq.capabilities.release_margin
+        mq.declare(group, pattern, lease=LEASE, max_attempts=50)
+        sub = cmq.subscribe(group, pattern, lease=LEASE, max_attempts=50)
+        pub = _BatchPublisher(mq, topic, tok)
+        con = _Consumer(sub, ledger, quiet=4.0 + LEASE)
+        raw = _RawConsumer(bootstrap, kafka_topic, f"raw-{tok}")
+        victim: Any = None
+        try:
+            pub.start()
+            con.start()
+            deadline = time.monotonic() + 60
+            while not pub.confirmed and time.monotonic() < deadline:
+                time.sleep(0.1)
+            raw.start()  # the topic exists now
+            replication = _replication(cluster, [kafka_topic, internal("r", group),
+                                                 internal("d", group), REGISTRY])
+            deadline = time.monotonic() + 60
+            while (len(pub.confirmed) < 200 or len(con.times) < 100 or len(raw.times) < 100) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            leaders = _leaders(cluster, topic)
+            victim_id = leaders[0]
+            victim = next(n for n in cluster.nodes if n.node_id == victim_id)
+            killed_at = time.monotonic()
+            _sigkill(victim)
+            resumed = killed_at + OUTAGE
+            while time.monotonic() < killed_at + MAX_OUTAGE and not (
+                    any(t > resumed for t in con.times[-50:])
+                    and any(t > resumed for t in raw.times[-50:])):
+                time.sleep(0.2)
+            restart_at = time.monotonic()
+            restart_s = victim.start()
+            back_at = time.monotonic()
+            time.sleep(3)
+            pub.stop.set()
+            pub.join(60)
+            stopped_at = time.monotonic()
+            for mid, _ in pub.confirmed:
+                ledger.confirm(mid, body_for(mid))
+            for mid in pub.attempted - set(ledger.expected):
+                ledger.in_flight(mid, body_for(mid))
+            con.want = set(ledger.expected)
+            con.limit = time.monotonic() + 120
+            con.finish.set()
+            limit = time.monotonic() + 120
+            while not set(ledger.expected) <= raw.ids and time.monotonic() < limit:
+                time.sleep(0.2)
+            con.join(150)
+        finally:
+            pub.stop.set()
+            raw.stop.set()
+            con.finish.set()
+            con.limit = 0
+            if victim is not None and not victim.running():
+                with contextlib.suppress(Exception):
+                    victim.start()
+            con.join(30)
+            raw.join(30)
+            sub.close()
+            cleanup(mq, group)
+    problems = ledger.problems(release_margin=margin)
+    pause = _pause(con.times, killed_at, stopped_at)
+    raw_pause = _pause(raw.times, killed_at, stopped_at)
+    raw_missing = set(ledger.expected) - raw.ids
+    confirmed_during = sum(1 for _, t in pub.confirmed if killed_at < t < back_at)
+    reporter.emit(scenario="kafka cluster: SIGKILL leader, plain URL", backend=backend,
+                  kills=1, published=len(pub.attempted), **ledger.summary(),
+                  problems=len(problems), node=victim_id, leaders_before=leaders,
+                  replication={t: list(r) for t, r in replication.items()},
+                  pause_s=round(pause, 1), raw_pause_s=round(raw_pause, 1),
+                  raw_delivered=len(raw.times), raw_missing=len(raw_missing),
+                  confirmed_during_outage=confirmed_during, restart_s=round(restart_s, 1),
+                  outage_s=round(restart_at - killed_at, 1),
+                  errors_seen=sorted(set(pub.errors + con.errors)),
+                  raw_errors=sorted(set(raw.errors)))
+    assert not pub.untyped, f"raw client exceptions escaped publish: {pub.untyped[:3]}"
+    assert not con.fatal, f"the consumer failed: {con.fatal}"
+    assert all(r == (3, "2") for r in replication.values()), (
+        f"topics not replicated by default (replicas, min.insync.replicas): {replication}")
+    assert not problems, "\n".join(problems)
+    assert not raw_missing, (f"{len(raw_missing)} confirmed ids never reached the plain "
+                             f"consumer: {sorted(raw_missing)[:5]}")

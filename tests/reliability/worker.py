@@ -1,24 +1,28 @@
 """Subprocess side of the fault tests (run as a script, not collected by pytest).
 
     worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH]
-        receive up to BATCH (default 5) at a time; per message print
-        ``RECV id attempt digest``, then ``ACKING id``, ack, ``ACKED id``.
-        KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth message reaches
-        PHASE (``recv``: before acking, ``acking``: just before the ack call, ``acked``:
-        right after it). A message with header ``poison=crash`` kills the process on
-        receipt. Exits (``DONE``) after IDLE seconds without messages.
-        An ack after the lease deadline (the process was frozen) prints ``EXPIRED id``.
+        print ``READY pid t``, then receive up to BATCH (default 5) at a time, printing
+        ``CALL start returned n`` per receive call; per message
+        print ``RECV id attempt digest origin deadline returned``, then ``ACKING id t``,
+        ack, ``ACKED id t``. KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth
+        message reaches PHASE (``recv``: before acking, ``acking``: just before the ack
+        call, ``acked``: right after it). A message with header ``poison=crash`` kills the
+        process on receipt. Exits (``DONE t``) after IDLE seconds without messages.
+        An ack after the lease deadline (the process was frozen) prints ``EXPIRED id t``.
     worker.py hold URL GROUP PATTERN LEASE COUNT
-        receive up to COUNT messages in one call, print ``RECVAT t`` (time.monotonic()
-        before that call: the lease deadline is at most t + LEASE), the ``RECV`` lines and
-        ``HELD``; then wait for a line on stdin (the parent freezes this process meanwhile)
-        and try to ack each message, printing ``ACKED id`` or ``EXPIRED id``.
+        receive up to COUNT messages in one call (``CALL`` lines as above), print
+        ``RECVAT t`` (time.monotonic() before that call: the lease deadline is at most
+        t + LEASE), the ``RECV`` lines and ``HELD t``; then wait for a line on stdin (the
+        parent freezes this process meanwhile) and try to ack each message, printing
+        ``ACKING id t`` and ``ACKED id t`` or ``EXPIRED id t``.
     worker.py dedupe URL GROUP PATTERN LEASE STORE KILL IDLE
         ``consume`` with ``dedupe=SQLiteStore(STORE)``; the handler inserts a row into the
         store file's ``effects`` table inside ``store.transaction`` (its side effect, once
         per id or never). KILL is ``none``, ``inside:N`` (SIGKILL inside the Nth handler's
         transaction: rolled back) or ``after:N`` (SIGKILL right after the Nth handler's
         transaction committed, printing ``KILLED id``: between its success and the ack).
+        Each message its handler gets prints a ``RECV`` line (``returned``: the time the
+        handler started, by which its receive call had returned).
         Prints ``STATS received acked duplicates`` when it exits after IDLE seconds
         without messages.
     worker.py publish URL TOPIC COUNT PREFIX SEED
@@ -26,7 +30,11 @@
         ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
 
 Every line is flushed before the next step, so a parent that SIGKILLs this process knows
-what had happened up to that point.
+what had happened up to that point. Times are time.monotonic() readings (one clock for all
+processes on Linux): a RECV's ``origin`` is the start of the receive call that returned the
+message (its lease deadline - LEASE), ``returned`` when that call returned; ``ACKING``'s is
+when the ack call started, ``ACKED``'s and ``EXPIRED``'s when it ended. A process that kills
+itself prints ``KILL t`` first.
 """
 
 from __future__ import annotations
@@ -46,8 +54,21 @@ def out(*words: object) -> None:
     sys.stdout.flush()
 
 
+def now() -> str:
+    return repr(time.monotonic())
+
+
 def die() -> None:
+    out("KILL", now())
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def recv_line(msg: mqabstract.Message, lease: float, returned: float) -> None:
+    """``RECV id attempt digest origin deadline returned``: the deadline is fixed at receive
+    (now + what is left of the lease), even if this process is frozen before printing."""
+    deadline = time.monotonic() + msg.lease_remaining
+    out("RECV", msg.id, msg.attempt, digest(msg.body), repr(deadline - lease), repr(deadline),
+        repr(returned))
 
 
 def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
@@ -57,11 +78,14 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
     kill_at = int(nth) if nth else -1
     mq = mqabstract.connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=max_attempts)
-    out("READY")
+    out("READY", os.getpid(), now())
     seen = 0
     last = time.monotonic()
     while True:
+        called = time.monotonic()
         msgs = sub.receive(max_messages=batch, wait=0.5)
+        returned = time.monotonic()
+        out("CALL", repr(called), repr(returned), len(msgs))
         if not msgs:
             if time.monotonic() - last > idle:
                 break
@@ -69,27 +93,24 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
         last = time.monotonic()
         for msg in msgs:
             seen += 1
-            # Stamp: the start of the receive call that returned it (its lease deadline -
-            # lease), fixed even if this process is frozen before it gets to print.
-            out("RECV", msg.id, msg.attempt, digest(msg.body),
-                repr(time.monotonic() + msg.lease_remaining - lease))
+            recv_line(msg, lease, returned)
             if msg.headers.get("poison") == "crash":
                 die()
             if phase == "recv" and seen == kill_at:
                 die()
             time.sleep(rng.random() * 0.02)  # "processing"
-            out("ACKING", msg.id)
+            out("ACKING", msg.id, now())
             if phase == "acking" and seen == kill_at:
                 die()
             try:
                 msg.ack()
             except mqabstract.LeaseExpired:  # frozen past the deadline: it comes back
-                out("EXPIRED", msg.id)
+                out("EXPIRED", msg.id, now())
                 continue
-            out("ACKED", msg.id, repr(time.monotonic()))
+            out("ACKED", msg.id, now())
             if phase == "acked" and seen == kill_at:
                 die()
-    out("DONE")
+    out("DONE", now())
     mq.close()
 
 
@@ -103,11 +124,12 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
     store = SQLiteStore(store_path)
     mq = mqabstract.connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
-    out("READY")
+    out("READY", os.getpid(), now())
 
     def handler(msg: mqabstract.Message) -> None:
         nonlocal handled
         handled += 1
+        recv_line(msg, lease, time.monotonic())  # (its receive had returned by now)
         with store.transaction(msg) as db:
             db.execute("INSERT INTO effects VALUES (?, ?, ?)", (msg.id, msg.attempt, os.getpid()))
             if phase == "inside" and handled == kill_at:
@@ -125,32 +147,35 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
 def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
     with mqabstract.connect(url) as mq:
         sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
-        out("READY")
+        out("READY", os.getpid(), now())
         while True:
             started = time.monotonic()
             msgs = sub.receive(max_messages=count, wait=1.0)
+            returned = time.monotonic()
+            out("CALL", repr(started), repr(returned), len(msgs))
             if msgs:
                 break
         out("RECVAT", repr(started))
         for msg in msgs:
-            out("RECV", msg.id, msg.attempt, digest(msg.body))
-        out("HELD")
+            recv_line(msg, lease, returned)
+        out("HELD", now())
         sys.stdin.readline()
         for msg in msgs:
+            out("ACKING", msg.id, now())
             try:
                 msg.ack()
             except mqabstract.LeaseExpired:
-                out("EXPIRED", msg.id)
+                out("EXPIRED", msg.id, now())
             else:
-                out("ACKED", msg.id)
-        out("DONE")
+                out("ACKED", msg.id, now())
+        out("DONE", now())
         sub.close()
 
 
 def publish(url: str, topic: str, count: int, prefix: str, seed: int) -> None:
     rng = random.Random(seed)
     with mqabstract.connect(url) as mq:
-        out("READY")
+        out("READY", os.getpid(), now())
         n = 0
         while n < count:
             size = rng.choice((1, 1, 3, 7))
