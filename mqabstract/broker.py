@@ -525,8 +525,11 @@ class Subscription:
         # The lease rule: a message is ours until the start of the driver receive call that
         # returned it + lease. The driver leases it later than that, so the broker's own
         # deadline is never earlier than ours. Each driver call waits at most a quarter of
-        # the lease, so a message is handed over with at least 3/4 of its lease left.
-        step = max(caps.min_lease, spec.lease / 4)
+        # the lease, so a message is handed over with at least 3/4 of its lease left — and
+        # never more than half of it where the backend's minimum lease is coarser (a call
+        # as long as the lease returned every message late: an SQS group with a 1 s lease
+        # never dead-lettered an exhausted message while it idled).
+        step = max(spec.lease / 4, min(caps.min_lease, spec.lease / 2))
         gate = self._gate
         while True:
             span = step
