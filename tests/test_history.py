@@ -416,3 +416,14 @@ def test_release_clock_is_the_backends_formula(clock: str, history: History, ok:
 def test_unknown_release_clock_is_refused() -> None:
     with pytest.raises(ValueError, match="release clock"):
         _run(_churn(2.9), release_clock="sometime")
+
+
+def test_a_stop_that_never_ends_does_not_hold_the_unfrozen_clock() -> None:
+    """A hung in-process consumer (frozen, never thawed) holds no file lock: the SQLite
+    clock starts as usual (this looped forever in CI's fault stage)."""
+    h = _churn(2.9)
+    h.frozen("hung", 1.8, None)
+    assert _run(h, release_clock="unfrozen") == []
+    late = _churn(3.5)
+    late.frozen("hung", 1.8, None)
+    assert _run(late, release_clock="unfrozen") != []

@@ -427,13 +427,15 @@ def _clock_start(h: History, at: float, margin: float, clock: str,
             changed = bool(later)
             at = max(later) if later else at
     elif clock == "unfrozen":
-        changed = True
-        while changed:  # past every freeze (of anyone) that covers the start
-            covering = [math.inf if f.until is None else f.until for f in h.faults
-                        if f.kind == FROZEN and f.at <= at
-                        and (f.until is None or f.until > at)]
-            changed = bool(covering)
-            at = max(covering) if covering else at
+        # Past every stop (of anyone) that covers the start. A stop that never ends is an
+        # in-process consumer that hung (a thread: it holds no file lock), not a stopped
+        # process, whose SIGCONT is always recorded.
+        while True:
+            covering = [f.until for f in h.faults if f.kind == FROZEN
+                        and f.until is not None and f.at <= at < f.until]
+            if not covering:
+                break
+            at = max(covering)  # strictly later: each stop covers the start once
     return at
 
 
