@@ -73,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -492,17 +492,13 @@ def rule_dead_letters(h: History, duplicates_declared: str | None = None) -> lis
     if over:
         out.append(f"[dead-letters] delivered beyond max_attempts={limit} instead of "
                    f"dead-lettered: {_sample(over)}")
-    seen: dict[str, int] = defaultdict(int)
-    for d in h.deliveries:
-        seen[d.id] += 1
+    seen = Counter(d.id for d in h.deliveries)
     early = [f"{d.id}: {d.attempts} attempts, {seen[d.id]} deliveries"
              for d in h.dead_letters if d.exhausted and seen[d.id] < d.attempts]
     if early:
         out.append(f"[dead-letters] dead-lettered with more attempts than deliveries seen: "
                    f"{_sample(early)}")
-    count: dict[str, int] = defaultdict(int)
-    for d in h.dead_letters:
-        count[d.id] += 1
+    count = Counter(d.id for d in h.dead_letters)
     twice = sorted(f"{m} x{n}" for m, n in count.items() if n > 1)
     if twice and duplicates_declared is None:
         out.append(f"[dead-letters] dead-lettered more than once: {_sample(twice)}")
