@@ -1,9 +1,10 @@
 """Subprocess side of the fault tests (run as a script, not collected by pytest).
 
-    worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH]
+    worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH [WORK]]
         print ``READY pid t``, then receive up to BATCH (default 5) at a time, printing
         ``CALL start returned n`` per receive call; per message
-        print ``RECV id attempt digest origin deadline returned``, then ``ACKING id t``,
+        print ``RECV id attempt digest origin deadline returned``, "process" it (sleep up to
+        WORK seconds, default 0.02), then ``ACKING id t``,
         ack, ``ACKED id t``. KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth
         message reaches PHASE (``recv``: before acking, ``acking``: just before the ack
         call, ``acked``: right after it). A message with header ``poison=crash`` kills the
@@ -72,7 +73,7 @@ def recv_line(msg: mqabstract.Message, lease: float, returned: float) -> None:
 
 
 def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
-            idle: float, kill: str, seed: int, batch: int = 5) -> None:
+            idle: float, kill: str, seed: int, batch: int = 5, work: float = 0.02) -> None:
     rng = random.Random(seed)
     phase, _, nth = kill.partition(":")
     kill_at = int(nth) if nth else -1
@@ -98,7 +99,7 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
                 die()
             if phase == "recv" and seen == kill_at:
                 die()
-            time.sleep(rng.random() * 0.02)  # "processing"
+            time.sleep(rng.random() * work)  # "processing"
             out("ACKING", msg.id, now())
             if phase == "acking" and seen == kill_at:
                 die()
@@ -196,7 +197,8 @@ if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "consume":
         consume(args[0], args[1], args[2], float(args[3]), int(args[4]), float(args[5]),
-                args[6], int(args[7]), int(args[8]) if len(args) > 8 else 5)
+                args[6], int(args[7]), int(args[8]) if len(args) > 8 else 5,
+                float(args[9]) if len(args) > 9 else 0.02)
     elif mode == "hold":
         hold(args[0], args[1], args[2], float(args[3]), int(args[4]))
     elif mode == "dedupe":
