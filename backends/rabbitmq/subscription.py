@@ -28,7 +28,7 @@ from mqabstract.errors import (
 from mqabstract.model import Delivery, GroupSpec
 from mqabstract.url import redact
 
-from .io import _CONN_ERRORS, _describe, _Item
+from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Pending
 from .watchdog import _WATCH_GRACE, _WATCH_LIVE, _WATCH_SLACK, _WATCH_STEP, _socket_cut, _Watchdog
 from .wire import H_ATTEMPT, H_DUE, H_TOPIC, _copy_props, _text
 
@@ -91,12 +91,15 @@ class RabbitMQSubscription(DriverSubscription):
     committed raises instead of being sent again (the broker delivers the message again).
 
     Messages go back to the queue by copy (a nack, an expired lease, the unread buffer, a
-    classic redelivery with its attempt written down): the copy is published and its
-    original acked on the consumer channel, which runs in AMQP transaction mode, and both
-    take effect at one ``tx.commit`` or neither does (a connection cut before the commit
-    reaches the broker). Confirmed-then-acked instead, a cut between the two left both
-    alive: the original came back counted (attempt + 1), after or before a copy with the
-    same or a lower attempt.
+    classic redelivery with its attempt written down). The consumer channel runs in AMQP
+    transaction mode: a copy into the group's own queue is published and its original acked
+    in one ``tx.commit``, so both take effect or neither (confirmed-then-acked instead, a
+    cut between the two left both alive: the original came back counted, attempt + 1,
+    after or before a copy with the same or a lower attempt). A copy into another queue (a
+    wait tier, the dead-letter queue) is confirmed first on the copy channel and its
+    original acked in the next transaction: RabbitMQ applies a commit's acks without
+    waiting for another queue to store its publishes, so a broker crash mid-commit could
+    lose it; a cut between its confirm and that commit still leaves both.
     """
 
     def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
@@ -148,9 +151,12 @@ class RabbitMQSubscription(DriverSubscription):
         # (False); the channel whose tx.commit is unanswered and what that one runs then.
         self._tx_copies: list[tuple[_Raw, _Item]] = []
         self._tx_acks: list[int] = []
+        self._tx_requeues: list[int] = []
         self._tx_then: list[Callable[[bool], None]] = []
         self._tx_busy: Any = None
         self._tx_busy_then: list[Callable[[bool], None]] = []
+        self._pub_ch: Any = None  # confirm channel for copies into other queues
+        self._confirms = _Confirms()
         self._link.subs.add(self)
 
     # -- the watchdog (any thread; the ``_locked`` ones with self._lock held) --------------
@@ -311,8 +317,40 @@ class RabbitMQSubscription(DriverSubscription):
                 conn.close()
             return
         self._io_watch()
+        # Copies into other queues go out on this connection, so a copy whose original
+        # cannot be acked (the connection died) was not sent either.
+        conn.channel(on_open_callback=self._io_pub_open)
         if self._want:
             self._io_start()
+
+    def _io_pub_open(self, ch: Any) -> None:
+        if self._closed or self._conn is None or not self._conn.is_open:
+            with contextlib.suppress(Exception):
+                ch.close()
+            return
+        ch.add_on_close_callback(self._io_pub_closed)
+        self._confirms.reset()
+        ch.add_on_return_callback(self._confirms.on_return)
+        ch.confirm_delivery(self._confirms.on_confirm,
+                            callback=lambda _frame: setattr(self, "_pub_ch", ch))
+
+    def _io_pub_closed(self, ch: Any, reason: BaseException) -> None:
+        if self._pub_ch is ch or self._pub_ch is None:
+            self._pub_ch = None
+            self._confirms.reset()
+        conn = self._conn
+        if not self._closed and conn is not None and conn.is_open:
+            log.warning("rabbitmq copy channel closed (%s); reopening",
+                        redact(_describe(reason)))
+            conn.channel(on_open_callback=self._io_pub_open)
+
+    def _io_send(self, items: Sequence[_Item], pend: _Pending) -> None:
+        """Publish ``items`` on our confirm channel; ``pend`` learns each one's fate."""
+        ch = self._pub_ch
+        self._confirms.send(
+            ch.basic_publish if ch is not None else None, items, pend,
+            lambda: self._pub_ch is ch and ch is not None and ch.is_open,
+        )
 
     def _io_conn_failed(self, conn: Any, err: BaseException) -> None:
         if conn is not self._conn:
@@ -400,6 +438,8 @@ class RabbitMQSubscription(DriverSubscription):
         self._ch = None
         self._ctag = None
         self._cancelling = False
+        self._pub_ch = None
+        self._confirms.reset()
         self._io_fail_commits()
         self._io_forget()
 
@@ -449,10 +489,12 @@ class RabbitMQSubscription(DriverSubscription):
         if ch is None:
             self._io_fail_commits()
             return
-        if self._tx_busy is not None or not (self._tx_copies or self._tx_acks):
+        if self._tx_busy is not None or not (self._tx_copies or self._tx_acks
+                                             or self._tx_requeues):
             return
         copies, self._tx_copies = self._tx_copies, []
         acks, self._tx_acks = self._tx_acks, []
+        requeues, self._tx_requeues = self._tx_requeues, []
         then, self._tx_then = self._tx_then, []
         try:
             for raw, item in copies:
@@ -461,6 +503,8 @@ class RabbitMQSubscription(DriverSubscription):
                 ch.basic_ack(raw.tag)
             for tag in sorted(acks):
                 ch.basic_ack(tag)
+            for tag in requeues:
+                ch.basic_nack(tag, requeue=True)
             ch.tx_commit(callback=lambda _frame: self._io_committed(ch))
         except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: nothing committed
             log.debug("rabbitmq: transaction not sent: %s", exc)
@@ -483,7 +527,7 @@ class RabbitMQSubscription(DriverSubscription):
         for the next one goes with it (the broker delivers those originals again)."""
         then = self._tx_busy_then + self._tx_then
         self._tx_busy, self._tx_busy_then, self._tx_then = None, [], []
-        self._tx_copies, self._tx_acks = [], []
+        self._tx_copies, self._tx_acks, self._tx_requeues = [], [], []
         for fn in then:
             fn(False)
 
@@ -492,10 +536,14 @@ class RabbitMQSubscription(DriverSubscription):
                     "(its queue is gone)", props.message_id, method.routing_key)
 
     def _io_copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
-                          then: Callable[[bool], None] | None = None) -> None:
-        """Publish each copy and ack its original in one transaction; ``then(committed)``.
-        Originals of an earlier channel are gone with it (the broker delivers them again):
-        no copy of those."""
+                          then: Callable[[bool | None], None] | None = None,
+                          returned_ok: bool = True) -> None:
+        """Publish each copy and ack its original; ``then(True)`` once every original's ack
+        is committed, ``then(False)`` if not (the channel went: the broker delivers those
+        again), ``then(None)`` when a copy came back unroutable and ``returned_ok`` is
+        false (its original is requeued). Copies into the group's own queue commit with
+        their originals' acks; copies into another queue are confirmed first
+        (``_io_copy_away``). Originals of an earlier channel are gone with it: no copy."""
         gen = self._ch_gen
         live = ([(raw, item) for raw, item in copies if raw.gen == gen]
                 if self._usable_ch() is not None else [])
@@ -503,10 +551,43 @@ class RabbitMQSubscription(DriverSubscription):
             if then is not None:
                 then(False)
             return
-        self._tx_copies += live
-        if then is not None:
-            self._tx_then.append(then)
-        self._io_pump()
+        here = [c for c in live if c[1].exchange == "" and c[1].routing_key == self.queue]
+        away = [c for c in live if not (c[1].exchange == "" and c[1].routing_key == self.queue)]
+        results: list[bool | None] = []
+        parts = (1 if here else 0) + (1 if away else 0)
+
+        def part(ok: bool | None) -> None:
+            results.append(ok)
+            if len(results) == parts and then is not None:
+                then(None if None in results else all(results))
+
+        if here:
+            self._tx_copies += here
+            self._tx_then.append(part)
+            self._io_pump()
+        if away:
+            self._io_copy_away(away, part, returned_ok)
+
+    def _io_copy_away(self, copies: list[tuple[_Raw, _Item]],
+                      then: Callable[[bool | None], None], returned_ok: bool) -> None:
+        """Copies into another queue: confirmed on the copy channel, then their originals
+        acked (requeued if not confirmed) in the next transaction."""
+        gen = self._ch_gen
+
+        def done(pend: _Pending) -> None:
+            good = set(pend.acked) | (set(pend.returned) if returned_ok else set())
+            if self._usable_ch() is None or gen != self._ch_gen:
+                then(False)  # the originals are gone with their channel
+                return
+            self._tx_acks += [copies[j][0].tag for j in sorted(good)]
+            self._tx_requeues += [copies[j][0].tag for j in range(len(copies))
+                                  if j not in good]
+            returned = bool(pend.returned) and not returned_ok
+            self._tx_then.append(lambda ok: then(
+                None if ok and returned else ok and len(good) == len(copies)))
+            self._io_pump()
+
+        self._io_send([c[1] for c in copies], _Pending(len(copies), done))
 
     def _io_when_committed(self, fn: Callable[[], None], tries: int = 0) -> None:
         """``fn()`` once no transaction of the consumer channel is unanswered (at most
@@ -571,7 +652,7 @@ class RabbitMQSubscription(DriverSubscription):
                 buf, self._buf = self._buf, []
             raws = [raw for _, _, raw in sorted(buf) if raw.gen == self._ch_gen]
 
-            def after(_committed: bool) -> None:
+            def after(_committed: bool | None) -> None:
                 if self._want and not self._closed:
                     self._io_start()
                 if then is not None:
@@ -760,20 +841,20 @@ class RabbitMQSubscription(DriverSubscription):
         if stale:
             raise self._stale(*stale)
 
-    def _settle_by_copy(self, raw: _Raw, item: _Item) -> bool:
-        """Publish ``item`` and ack ``raw`` in one transaction (``_io_copy_then_ack``);
-        whether it was committed within the publish timeout. Ends the in-flight count
-        ``_take`` started."""
+    def _settle_by_copy(self, raw: _Raw, item: _Item, returned_ok: bool) -> bool | None:
+        """Copy ``item`` and ack ``raw`` (``_io_copy_then_ack``): True once done within the
+        publish timeout, None if the copy came back unroutable (``raw`` requeued, unless
+        ``returned_ok``). Ends the in-flight count ``_take`` started."""
         done = threading.Event()
-        committed: list[bool] = []
+        committed: list[bool | None] = []
 
-        def finish(ok: bool) -> None:
+        def finish(ok: bool | None) -> None:
             committed.append(ok)
             self._release_done(1)
             done.set()
 
-        self._link.call(lambda: self._io_copy_then_ack([(raw, item)], finish))
-        return done.wait(self._driver._publish_timeout) and committed[0]
+        self._link.call(lambda: self._io_copy_then_ack([(raw, item)], finish, returned_ok))
+        return committed[0] if done.wait(self._driver._publish_timeout) else False
 
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
@@ -787,7 +868,7 @@ class RabbitMQSubscription(DriverSubscription):
         except BaseException:
             self._release_done(1)
             raise
-        if not self._settle_by_copy(taken[0], item):
+        if not self._settle_by_copy(taken[0], item, returned_ok=True):
             raise ConnectionFailed(f"rabbitmq at {self._driver._where}: nack not committed "
                                    f"({self._lost_why or 'connection lost'}); the message "
                                    "comes again")
@@ -812,18 +893,14 @@ class RabbitMQSubscription(DriverSubscription):
                 **{H_TOPIC: self._driver._topic_of(raw),
                    **dead_headers(reason, attempts, time.time()), H_DUE: None},
             )
-            dead = self._driver._dead_queue(self.spec.name)
-            item = _Item("", dead, raw.body, props, True)
-            # The copy is committed with the original's ack, so a copy the broker returns
-            # (no such queue) cannot keep the original any more: check the queue first
-            # (left open: one deleted by hand between this check and the commit).
-            # (NotFound when it is missing.)
-            self._driver._admin.run(lambda a: a.ch.queue_declare(dead, passive=True),
-                                    f"dead-letter queue of group {self.spec.name!r}")
+            item = _Item("", self._driver._dead_queue(self.spec.name), raw.body, props, True)
         except BaseException:
             self._release_done(1)
             raise
-        if not self._settle_by_copy(raw, item):
+        done = self._settle_by_copy(raw, item, returned_ok=False)
+        if done is None:
+            raise NotFound(f"dead-letter queue of group {self.spec.name!r} is missing")
+        if not done:
             raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not "
                                    f"committed ({self._lost_why or 'connection lost'}); the "
                                    "message comes again")
