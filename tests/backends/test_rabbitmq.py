@@ -9,6 +9,7 @@ stop and start. Names are unique per test and groups are deleted afterwards.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 import signal
@@ -666,7 +667,7 @@ def _going_back(seen: list[tuple[str, int]]) -> dict[str, list[int]]:
     by_id: dict[str, list[int]] = {}
     for mid, attempt in seen:
         by_id.setdefault(mid, []).append(attempt)
-    return {m: a for m, a in by_id.items() if any(x >= y for x, y in zip(a, a[1:]))}
+    return {m: a for m, a in by_id.items() if any(x >= y for x, y in itertools.pairwise(a))}
 
 
 @pytest.mark.parametrize("priority", [False, True], ids=["quorum", "classic"])
