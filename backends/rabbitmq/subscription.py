@@ -87,10 +87,19 @@ class RabbitMQSubscription(DriverSubscription):
     ``_Link`` I/O thread only, and application threads reach the pika objects through
     ``_link.call``. Watchdog reports go out under ``_lock``. Never retried: a settle of a
     stale receipt (expired, or its channel gone) raises ``LeaseExpired`` (the broker
-    delivers the message again), and a nack or dead-letter copy that was not confirmed
-    raises instead of being sent again (its original stays unacked until this channel
-    closes and the broker delivers it again); an expiry or buffer copy that is not
-    confirmed requeues its original.
+    delivers the message again), and a nack or dead-letter whose transaction was not
+    committed raises instead of being sent again (the broker delivers the message again).
+
+    Messages go back to the queue by copy (a nack, an expired lease, the unread buffer, a
+    classic redelivery with its attempt written down). The consumer channel runs in AMQP
+    transaction mode: a copy into the group's own queue is published and its original acked
+    in one ``tx.commit``, so both take effect or neither (confirmed-then-acked instead, a
+    cut between the two left both alive: the original came back counted, attempt + 1,
+    after or before a copy with the same or a lower attempt). A copy into another queue (a
+    wait tier, the dead-letter queue) is confirmed first on the copy channel and its
+    original acked in the next transaction: RabbitMQ applies a commit's acks without
+    waiting for another queue to store its publishes, so a broker crash mid-commit could
+    lose it; a cut between its confirm and that commit still leaves both.
     """
 
     def __init__(self, driver: RabbitMQDriver, spec: GroupSpec) -> None:
@@ -126,13 +135,9 @@ class RabbitMQSubscription(DriverSubscription):
         self._returning: dict[str, float] = {}
         self._patience = max(2 * spec.lease, 30.0)
         self._error: MQError | None = None
-        # Copies of delivered messages whose original is not yet acked: while there are
-        # any, the watchdog must not cut the connection (the broker would redeliver the
-        # original with the same attempt as its copy).
+        # Copies of delivered messages whose transaction is not committed yet (the
+        # watchdog waits for them, and receive hands nothing out meanwhile), and their ids.
         self._inflight = 0
-        # Message ids of those copies: a copy that arrives before its original's ack went
-        # out is not handed out yet (frozen or killed then, the original would come back
-        # too, its attempt repeating the copy's).
         self._copying: dict[str | None, int] = {}
         self._dog: _Watchdog | None = None
         self._dog_key: str | None = None
@@ -141,7 +146,16 @@ class RabbitMQSubscription(DriverSubscription):
         self._cut_sock: Any = None  # a socket found cut, until its connection is replaced
         self._cut_gen = 0  # deliveries of channels up to this one are gone
         self._risk = math.nan  # until when the watchdog may (have) cut our socket
-        self._pub_ch: Any = None  # confirm channel for the copies, on our own connection
+        # The consumer channel's transactions (``_io_pump``): what the next one publishes
+        # and acks, what to run when it is committed (True) or its channel goes first
+        # (False); the channel whose tx.commit is unanswered and what that one runs then.
+        self._tx_copies: list[tuple[_Raw, _Item]] = []
+        self._tx_acks: list[int] = []
+        self._tx_requeues: list[int] = []
+        self._tx_then: list[Callable[[bool], None]] = []
+        self._tx_busy: Any = None
+        self._tx_busy_then: list[Callable[[bool], None]] = []
+        self._pub_ch: Any = None  # confirm channel for copies into other queues
         self._confirms = _Confirms()
         self._link.subs.add(self)
 
@@ -303,8 +317,8 @@ class RabbitMQSubscription(DriverSubscription):
                 conn.close()
             return
         self._io_watch()
-        # Copies go out on this connection, so a copy whose original cannot be acked (the
-        # connection died) was not sent either.
+        # Copies into other queues go out on this connection, so a copy whose original
+        # cannot be acked (the connection died) was not sent either.
         conn.channel(on_open_callback=self._io_pub_open)
         if self._want:
             self._io_start()
@@ -369,7 +383,11 @@ class RabbitMQSubscription(DriverSubscription):
         self._ch = ch
         self._ch_gen = next(_CHANNEL_GEN)
         ch.add_on_close_callback(self._io_channel_closed)
+        ch.add_on_return_callback(self._io_returned)
         ch.basic_qos(prefetch_count=self._driver._prefetch)
+        # Transaction mode: a copy and its original's ack (and any ack) take effect at the
+        # next tx.commit (``_io_pump``). pika sends the consume after select-ok.
+        ch.tx_select()
         if self._want:
             self._io_consume()
 
@@ -404,6 +422,7 @@ class RabbitMQSubscription(DriverSubscription):
         self._ctag = None
         self._cancelling = False
         self._lost_why = redact(_describe(reason))
+        self._io_fail_commits()
         self._io_forget()
         if self._closed:
             return
@@ -421,6 +440,7 @@ class RabbitMQSubscription(DriverSubscription):
         self._cancelling = False
         self._pub_ch = None
         self._confirms.reset()
+        self._io_fail_commits()
         self._io_forget()
 
     def _io_forget(self) -> None:
@@ -452,70 +472,128 @@ class RabbitMQSubscription(DriverSubscription):
     def _io_flush_acks(self) -> None:
         with self._lock:
             acks, self._acks = self._acks, []
-        ch = self._usable_ch()
-        if ch is None:
+        if self._usable_ch() is None:
             return
         gen = self._ch_gen
-        try:
-            for tag in sorted(tag for g, tag in acks if g == gen):
-                ch.basic_ack(tag)
-        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: redelivered anyway
-            log.debug("rabbitmq: acks not sent: %s", exc)
+        self._tx_acks += [tag for g, tag in acks if g == gen]
+        self._io_pump()
 
-    def _io_ack_raw(self, raws: Sequence[_Raw]) -> None:
-        self._io_settle_raw(raws, requeue=False)
-
-    def _io_requeue_raw(self, raws: Sequence[_Raw]) -> None:
-        self._io_settle_raw(raws, requeue=True)
-
-    def _io_settle_raw(self, raws: Sequence[_Raw], requeue: bool) -> None:
-        """Ack or requeue deliveries of the current channel (older ones are gone with it)."""
+    def _io_pump(self) -> None:
+        """Send what waits for the consumer channel's next transaction (copies with their
+        originals' acks, then acks) and its tx.commit, unless a commit is unanswered:
+        RabbitMQ closes the connection on a publish or ack that arrives while it commits
+        (504, "unexpected command while processing 'tx.commit'"); those wait, and go
+        together, in the next one. So a copy and its original's ack take effect together
+        or not at all, whatever is cut when."""
         ch = self._usable_ch()
         if ch is None:
+            self._io_fail_commits()
             return
+        if self._tx_busy is not None or not (self._tx_copies or self._tx_acks
+                                             or self._tx_requeues):
+            return
+        copies, self._tx_copies = self._tx_copies, []
+        acks, self._tx_acks = self._tx_acks, []
+        requeues, self._tx_requeues = self._tx_requeues, []
+        then, self._tx_then = self._tx_then, []
         try:
-            for raw in raws:
-                if raw.gen == self._ch_gen:
-                    if requeue:
-                        ch.basic_nack(raw.tag, requeue=True)
-                    else:
-                        ch.basic_ack(raw.tag)
-        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: redelivered anyway
-            log.debug("rabbitmq: %s not sent: %s", "requeue" if requeue else "acks", exc)
+            for raw, item in copies:
+                ch.basic_publish(item.exchange, item.routing_key, item.body, item.props,
+                                 mandatory=item.must_route)
+                ch.basic_ack(raw.tag)
+            for tag in sorted(acks):
+                ch.basic_ack(tag)
+            for tag in requeues:
+                ch.basic_nack(tag, requeue=True)
+            ch.tx_commit(callback=lambda _frame: self._io_committed(ch))
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: nothing committed
+            log.debug("rabbitmq: transaction not sent: %s", exc)
+            for fn in then:
+                fn(False)
+            return
+        self._tx_busy, self._tx_busy_then = ch, then
+
+    def _io_committed(self, ch: Any) -> None:
+        if self._tx_busy is not ch:
+            return
+        then, self._tx_busy, self._tx_busy_then = self._tx_busy_then, None, []
+        for fn in then:
+            fn(True)
+        self._io_pump()
+
+    def _io_fail_commits(self) -> None:
+        """The consumer channel is gone: its transactions did not take effect (unless the
+        broker committed the last one just before and its answer was lost); what waited
+        for the next one goes with it (the broker delivers those originals again)."""
+        then = self._tx_busy_then + self._tx_then
+        self._tx_busy, self._tx_busy_then, self._tx_then = None, [], []
+        self._tx_copies, self._tx_acks, self._tx_requeues = [], [], []
+        for fn in then:
+            fn(False)
+
+    def _io_returned(self, _ch: Any, method: Any, props: Any, _body: bytes) -> None:
+        log.warning("rabbitmq: a copy of message %s for %r was unroutable and is dropped "
+                    "(its queue is gone)", props.message_id, method.routing_key)
 
     def _io_copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
-                          then: Callable[[], None] | None = None) -> None:
-        """Publish each copy; ack its original once confirmed (requeue it if refused)."""
-        if not copies:
+                          then: Callable[[bool | None], None] | None = None,
+                          returned_ok: bool = True) -> None:
+        """Publish each copy and ack its original; ``then(True)`` once every original's ack
+        is committed, ``then(False)`` if not (the channel went: the broker delivers those
+        again), ``then(None)`` when a copy came back unroutable and ``returned_ok`` is
+        false (its original is requeued). Copies into the group's own queue commit with
+        their originals' acks; copies into another queue are confirmed first
+        (``_io_copy_away``). Originals of an earlier channel are gone with it: no copy."""
+        gen = self._ch_gen
+        live = ([(raw, item) for raw, item in copies if raw.gen == gen]
+                if self._usable_ch() is not None else [])
+        if not live:
             if then is not None:
-                then()
+                then(False)
             return
+        here = [c for c in live if c[1].exchange == "" and c[1].routing_key == self.queue]
+        away = [c for c in live if not (c[1].exchange == "" and c[1].routing_key == self.queue)]
+        results: list[bool | None] = []
+        parts = (1 if here else 0) + (1 if away else 0)
+
+        def part(ok: bool | None) -> None:
+            results.append(ok)
+            if len(results) == parts and then is not None:
+                then(None if None in results else all(results))
+
+        if here:
+            self._tx_copies += here
+            self._tx_then.append(part)
+            self._io_pump()
+        if away:
+            self._io_copy_away(away, part, returned_ok)
+
+    def _io_copy_away(self, copies: list[tuple[_Raw, _Item]],
+                      then: Callable[[bool | None], None], returned_ok: bool) -> None:
+        """Copies into another queue: confirmed on the copy channel, then their originals
+        acked (requeued if not confirmed) in the next transaction."""
+        gen = self._ch_gen
 
         def done(pend: _Pending) -> None:
-            try:
-                good = set(pend.acked) | set(pend.returned)
-                self._io_ack_raw([copies[j][0] for j in sorted(good)])
-                self._io_requeue_raw([copies[j][0] for j in range(len(copies))
-                                      if j not in good])
-            finally:
-                if then is not None:
-                    self._io_after_flush(then)
+            good = set(pend.acked) | (set(pend.returned) if returned_ok else set())
+            if self._usable_ch() is None or gen != self._ch_gen:
+                then(False)  # the originals are gone with their channel
+                return
+            self._tx_acks += [copies[j][0].tag for j in sorted(good)]
+            self._tx_requeues += [copies[j][0].tag for j in range(len(copies))
+                                  if j not in good]
+            returned = bool(pend.returned) and not returned_ok
+            self._tx_then.append(lambda ok: then(
+                None if ok and returned else ok and len(good) == len(copies)))
+            self._io_pump()
 
         self._io_send([c[1] for c in copies], _Pending(len(copies), done))
 
-    def _io_after_flush(self, fn: Callable[[], None], tries: int = 0) -> None:
-        """``fn()`` once what this connection wrote is on the wire: pika buffers frames
-        and sends them on a later pass of its loop, and a copy handed out before its
-        original's ack left the process would meet that original again if the process
-        froze right then. Polled every 5 ms, at most 1 s (then run anyway)."""
-        transport = getattr(getattr(self._conn, "_transport", None), "get_write_buffer_size",
-                            None)
-        try:
-            pending = transport() if transport is not None else 0
-        except Exception:
-            pending = 0
-        if pending and tries < 200 and not self._closed:
-            self._link.ioloop.call_later(0.005, lambda: self._io_after_flush(fn, tries + 1))
+    def _io_when_committed(self, fn: Callable[[], None], tries: int = 0) -> None:
+        """``fn()`` once no transaction of the consumer channel is unanswered (at most
+        ``publish_timeout``): closing the channel before would drop its acks."""
+        if self._tx_busy is not None and tries * 0.01 < self._driver._publish_timeout:
+            self._link.ioloop.call_later(0.01, lambda: self._io_when_committed(fn, tries + 1))
             return
         fn()
 
@@ -536,7 +614,7 @@ class RabbitMQSubscription(DriverSubscription):
             self._io_copy_then_ack(
                 [(raw, self._driver._retry_item(raw, self.queue, attempt + 1, 0.0))
                  for raw, attempt in expired],
-                lambda: self._release_done(len(expired)),
+                lambda _ok: self._release_done(len(expired)),
             )
         if idle:
             self._io_pause()
@@ -574,7 +652,7 @@ class RabbitMQSubscription(DriverSubscription):
                 buf, self._buf = self._buf, []
             raws = [raw for _, _, raw in sorted(buf) if raw.gen == self._ch_gen]
 
-            def after() -> None:
+            def after(_committed: bool | None) -> None:
                 if self._want and not self._closed:
                     self._io_start()
                 if then is not None:
@@ -589,8 +667,11 @@ class RabbitMQSubscription(DriverSubscription):
         ch.basic_cancel(ctag, callback=cancelled)
 
     def _io_close(self, done: threading.Event) -> None:
-        def finish() -> None:
+        def flush() -> None:
             self._io_flush_acks()
+            self._io_when_committed(finish)
+
+        def finish() -> None:
             self._want = False
             self._link.subs.discard(self)
             self._io_unwatch()
@@ -602,7 +683,7 @@ class RabbitMQSubscription(DriverSubscription):
             if conn is not None and (conn.is_open or conn.is_opening):
                 self._close_done = done
                 try:
-                    conn.close()  # pending acks go out first; _io_conn_closed sets done
+                    conn.close()  # _io_conn_closed sets done
                     return
                 except Exception as exc:
                     log.debug("rabbitmq: closing a consumer connection: %s", exc)
@@ -611,7 +692,7 @@ class RabbitMQSubscription(DriverSubscription):
         if self._cancelling:
             self._link.ioloop.call_later(0.05, lambda: self._io_close(done))
             return
-        self._io_pause(finish)
+        self._io_pause(flush)
 
     # -- caller threads --------------------------------------------------------------------
     def _check(self) -> None:
@@ -718,7 +799,7 @@ class RabbitMQSubscription(DriverSubscription):
             count = len(items)
             ids = [raw.props.message_id for raw, _ in items]
             self._link.call(lambda: self._io_copy_then_ack(
-                copies, lambda: self._release_done(count, ids)))
+                copies, lambda _ok: self._release_done(count, ids)))
 
     def _stale(self, receipt: Any, *more: Any) -> LeaseExpired:
         why = self._lost_why or "its channel closed"
@@ -760,29 +841,20 @@ class RabbitMQSubscription(DriverSubscription):
         if stale:
             raise self._stale(*stale)
 
-    def _settle_by_copy(self, held: tuple[_Raw, int], item: _Item, returned_ok: bool
-                        ) -> _Pending:
-        """Publish ``item`` for a taken receipt; once it is confirmed (or returned, if
-        ``returned_ok``) ack the original. Ends the in-flight count ``_take`` started (on the
-        I/O thread once the ack is written)."""
-        raw = held[0]
-        try:
-            pend = self._driver._pub.publish([item], self._driver._publish_timeout)
-        except BaseException:
+    def _settle_by_copy(self, raw: _Raw, item: _Item, returned_ok: bool) -> bool | None:
+        """Copy ``item`` and ack ``raw`` (``_io_copy_then_ack``): True once done within the
+        publish timeout, None if the copy came back unroutable (``raw`` requeued, unless
+        ``returned_ok``). Ends the in-flight count ``_take`` started."""
+        done = threading.Event()
+        committed: list[bool | None] = []
+
+        def finish(ok: bool | None) -> None:
+            committed.append(ok)
             self._release_done(1)
-            raise
-        if pend.acked or (returned_ok and pend.returned):
+            done.set()
 
-            def ack_original() -> None:
-                try:
-                    self._io_ack_raw([raw])
-                finally:
-                    self._release_done(1)
-
-            self._link.call(ack_original)
-            return pend
-        self._release_done(1)
-        return pend
+        self._link.call(lambda: self._io_copy_then_ack([(raw, item)], finish, returned_ok))
+        return committed[0] if done.wait(self._driver._publish_timeout) else False
 
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
@@ -796,14 +868,10 @@ class RabbitMQSubscription(DriverSubscription):
         except BaseException:
             self._release_done(1)
             raise
-        # returned: the group queue is gone, nothing to keep
-        pend = self._settle_by_copy(taken, item, returned_ok=True)
-        if pend.acked or pend.returned:
-            return
-        if pend.failed:
-            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
-        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: not confirmed in time "
-                               f"({self._driver._pub.last_error or 'connection lost'})")
+        if not self._settle_by_copy(taken[0], item, returned_ok=True):
+            raise ConnectionFailed(f"rabbitmq at {self._driver._where}: nack not committed "
+                                   f"({self._lost_why or 'connection lost'}); the message "
+                                   "comes again")
 
     def extend(self, receipt: Any, seconds: float) -> None:
         self._check()
@@ -829,15 +897,13 @@ class RabbitMQSubscription(DriverSubscription):
         except BaseException:
             self._release_done(1)
             raise
-        pend = self._settle_by_copy(taken, item, returned_ok=False)
-        if pend.returned:
+        done = self._settle_by_copy(raw, item, returned_ok=False)
+        if done is None:
             raise NotFound(f"dead-letter queue of group {self.spec.name!r} is missing")
-        if pend.acked:
-            return
-        if pend.failed:
-            raise MQError(f"rabbitmq: {next(iter(pend.failed.values()))}")
-        raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not confirmed "
-                               f"({self._driver._pub.last_error or 'connection lost'})")
+        if not done:
+            raise ConnectionFailed(f"rabbitmq at {self._driver._where}: dead letter not "
+                                   f"committed ({self._lost_why or 'connection lost'}); the "
+                                   "message comes again")
 
     def close(self) -> None:
         if self._closed:

@@ -9,6 +9,7 @@ stop and start. Names are unique per test and groups are deleted afterwards.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 import signal
@@ -619,5 +620,92 @@ def test_a_receive_that_restarts_an_idle_consumer_is_not_paused_at_once(
             [again] = _drain(sub, 1)
             assert (again.id, again.attempt) == (mid, 2)
             assert pauses == []
+    finally:
+        mq.delete_group(group)
+
+
+# ----------------------------------------------------------------------------------------
+# a connection cut while a message goes back to the queue by copy
+
+
+def _cut_at_original_ack(inner: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Arm a cut: the first basic.ack on the consumer's channel is not sent; its connection's
+    socket is shut down instead, as by a network cut or the lease watchdog. Returns a list
+    that gets one entry when the cut happened."""
+    cut: list[int] = []
+    real_ack = pika.channel.Channel.basic_ack
+
+    def ack(ch: Any, delivery_tag: int = 0, multiple: bool = False) -> None:
+        if not cut and ch is inner._ch:
+            cut.append(delivery_tag)
+            inner._conn._transport._sock.shutdown(socket.SHUT_RDWR)
+            return
+        real_ack(ch, delivery_tag, multiple)
+
+    monkeypatch.setattr(pika.channel.Channel, "basic_ack", ack)
+    return cut
+
+
+def _attempts_in_order(sub: mqabstract.Subscription, ids: set[str], quiet: float = 2.0,
+                       limit: float = 30.0) -> list[tuple[str, int]]:
+    """Receive and ack until every id came and then nothing more for ``quiet`` seconds."""
+    seen: list[tuple[str, int]] = []
+    end = time.monotonic() + limit
+    last = time.monotonic()
+    while time.monotonic() < end:
+        if ids <= {m for m, _ in seen} and time.monotonic() - last >= quiet:
+            break
+        for msg in sub.receive(50, 0.2):
+            seen.append((msg.id, msg.attempt))
+            last = time.monotonic()
+            with contextlib.suppress(mqabstract.LeaseExpired):
+                msg.ack()
+    return seen
+
+
+def _going_back(seen: list[tuple[str, int]]) -> dict[str, list[int]]:
+    by_id: dict[str, list[int]] = {}
+    for mid, attempt in seen:
+        by_id.setdefault(mid, []).append(attempt)
+    return {m: a for m, a in by_id.items() if any(x >= y for x, y in itertools.pairwise(a))}
+
+
+@pytest.mark.parametrize("priority", [False, True], ids=["quorum", "classic"])
+@pytest.mark.parametrize("path", ["pause", "expiry", "nack"])
+def test_a_cut_between_copy_and_ack_never_sends_attempts_back(
+        mq: mqabstract.Broker, token: str, monkeypatch: pytest.MonkeyPatch, path: str,
+        priority: bool) -> None:
+    """A message goes back to the queue as a copy and its original is acked: a consumer's
+    unread buffer when it pauses (same attempt), an expired lease (attempt + 1), a nack
+    (attempt + 1). The connection is cut just when the original's ack would go out: the
+    broker redelivers the original (counted: attempt + 1). Whatever then comes, one id's
+    attempts must strictly increase in delivery order, and nothing is lost."""
+    lease = 0.6 if path == "expiry" else 30.0
+    group, pattern, topic = f"cut-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease, priority=priority)
+    try:
+        count = 5 if path == "pause" else 1
+        ids = set(mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                                    for i in range(count)]))
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            inner: Any = sub._inner
+            [first] = _drain(sub, 1)
+            seen = [(first.id, first.attempt)]
+            if path == "pause":  # the other four wait in the buffer, unread
+                first.ack()
+                _until(lambda: not inner._acks)
+                cut = _cut_at_original_ack(inner, monkeypatch)
+                _until(lambda: bool(cut))  # idle: paused, buffer handed back
+            elif path == "expiry":
+                cut = _cut_at_original_ack(inner, monkeypatch)
+                _until(lambda: bool(cut))  # the lease ran out: copied back
+            else:
+                cut = _cut_at_original_ack(inner, monkeypatch)
+                with contextlib.suppress(mqabstract.MQError):
+                    first.nack()
+                _until(lambda: bool(cut))
+            seen += _attempts_in_order(sub, ids)
+        assert ids <= {m for m, _ in seen}, "lost"
+        assert _going_back(seen) == {}, seen
     finally:
         mq.delete_group(group)
