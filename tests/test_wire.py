@@ -180,3 +180,56 @@ def test_old_sqs_packed_metadata_decodes_the_same() -> None:
     e = env(deliver_at=DUE)
     assert {k: v for k, v in old.items() if k in "itkd"} == wire.pack(wire.fields(e, key=True))
 
+
+# -- the drivers' copies follow the rule ---------------------------------------------------
+@pytest.mark.parametrize("delivered", [1, 4])
+def test_kafka_copy_decodes_to_the_next_attempt(delivered: int) -> None:
+    pytest.importorskip("confluent_kafka")
+    from types import SimpleNamespace
+
+    from mqabstract.backends.kafka.client import TP
+    from mqabstract.backends.kafka.state import Rec
+    from mqabstract.backends.kafka.subscription import KafkaSubscription
+
+    rec = Rec(TP("mq-retry.g", 0), 5, "orders.eu", b"x", {"user": "v"}, "k-1", "m-1", 0, AT)
+    headers = KafkaSubscription._copy_headers(rec, wire.retry_fields(delivered))
+    record = SimpleNamespace(headers=headers, key=b"k-1", offset=9, value=b"x",
+                             timestamp=1)
+    got = KafkaSubscription._decode(SimpleNamespace(), TP("mq-retry.g", 0),  # type: ignore[arg-type]
+                                    record, True)
+    assert got is not None
+    assert (got.n, got.id, got.key, got.topic, got.published_at, got.headers) == (
+        delivered, "m-1", "k-1", "orders.eu", AT, {"user": "v"})  # attempt n + 1 next
+
+
+@pytest.mark.parametrize(("headers", "redelivered", "so_far"), [
+    ({}, False, 0), ({wire.ATTEMPT: "2"}, False, 2), ({wire.ATTEMPT: 2}, True, 3),
+    ({wire.ATTEMPT: b"1", "x-delivery-count": 2}, True, 3)])
+def test_rabbitmq_copy_decodes_to_the_next_attempt(headers: dict[str, object],
+                                                   redelivered: bool, so_far: int) -> None:
+    pika = pytest.importorskip("pika")
+    from types import SimpleNamespace
+
+    from mqabstract.backends.rabbitmq.driver import RabbitMQDriver
+    from mqabstract.backends.rabbitmq.subscription import _Raw
+
+    raw = _Raw(1, 1, redelivered, "orders.eu", pika.BasicProperties(headers=headers), b"x")
+    assert (raw.so_far(), raw.attempt()) == (so_far, so_far + 1)
+    fake = SimpleNamespace(_topic_of=lambda r: r.routing_key, _native_ttl=False)
+    for delivered in (raw.so_far(), raw.attempt()):  # handed back / after this delivery
+        item = RabbitMQDriver._retry_item(fake, raw, "q", delivered, None)  # type: ignore[arg-type]
+        copy = _Raw(2, 1, False, "q", item.props, b"x")
+        assert copy.attempt() == delivered + 1
+        assert copy.decoded()[1].topic == "orders.eu"
+        assert "x-delivery-count" not in item.props.headers
+
+
+def test_sqs_copy_decodes_to_the_next_attempt() -> None:
+    pytest.importorskip("boto3")
+    from mqabstract.backends.sqs.wire import _to_wire
+
+    w = _to_wire(env())
+    assert w.fields() == wire.Fields(id="m-1", published_at=AT, key="k-1")
+    assert w.headers() == {"user": "v", wire.EXPIRES_AT: "1700009999.5"}
+    copy = w.with_meta(**wire.pack(wire.retry_fields(3, DUE)))
+    assert (copy.fields().attempt, copy.fields().deliver_at) == (3, DUE)
