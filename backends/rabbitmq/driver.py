@@ -304,7 +304,7 @@ class RabbitMQDriver(Driver):
     def _delivery(self, raw: _Raw, attempt: int, receipt: int) -> Delivery:
         props = raw.props
         user, f = raw.decoded()
-        headers = dict(user)  # the decoded copy stays as received (copies re-read it)
+        headers = dict(user)  # the user's to change; the cached decode stays as received
         if props.content_type:
             headers[CONTENT_TYPE] = props.content_type
         published = f.published_at

@@ -82,6 +82,7 @@ class _Raw:
     def due(self) -> float | None:
         return self.decoded()[1].deliver_at
 
+
 class RabbitMQSubscription(DriverSubscription):
     """One consumer on a group queue: a connection and channel of its own (closing it
     hands back exactly this subscription's messages), a local buffer ordered by priority,
