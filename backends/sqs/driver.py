@@ -757,15 +757,15 @@ class SQSDriver(Driver):
         extra: list[dict[str, Any]] = []
 
         def order(m: Mapping[str, Any]) -> tuple[int, float, int, str]:
-            meta = _from_sqs(m).meta
+            w = _from_sqs(m)
             sent = int((m.get("Attributes") or {}).get("SentTimestamp", 0))
-            dead_at = meta.get(M_DEAD_AT)
-            return (int(meta.get(M_ATTEMPT, 0)),
+            dead_at = w.meta.get(M_DEAD_AT)
+            return (w.fields().attempt,
                     float(dead_at) if isinstance(dead_at, (int, float)) else sent / 1000.0,
                     sent, str(m["MessageId"]))
 
         for m in sorted(self._scan(g.dlq_url), key=order):
-            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
+            mid = _from_sqs(m).fields().id or str(m["MessageId"])
             if mid in first:
                 extra.append(m)
             else:
@@ -825,7 +825,7 @@ class SQSDriver(Driver):
         chosen: list[Any] = []
         rest: list[Any] = []
         for m in messages:
-            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
+            mid = _from_sqs(m).fields().id or str(m["MessageId"])
             (chosen if ids is None or mid in ids else rest).append(m)
         return g, chosen, rest
 
