@@ -30,9 +30,38 @@ header               meaning
 
 ``PACKED`` gives each name a one-letter key for brokers that limit attribute counts (SQS
 packs them into one JSON attribute; ``v`` is that packing's version).
+
+The codec
+---------
+Every header-carrying driver writes and reads these headers through the functions below,
+so the split of ``mq-*`` and user headers, the encoding of values and the attempt rule are
+written once:
+
+* values: an int is written ``str(n)``, a float ``repr(x)`` (exact, read back with
+  ``float``), text as is; None means "absent" (a copy drops the header). Header values a
+  client hands back (``str``, ``bytes`` from Kafka clients and pika, numbers a plain pika
+  publisher set) are read as text by :func:`text`. The packed form (:func:`pack`) keeps
+  numbers as JSON numbers.
+* :func:`fields` / :func:`encode`: an envelope's ``mq-*`` fields / its headers (the
+  user's, ``mq-*`` the portable layer set among them, then the wire schema's).
+* :func:`retry_fields`: the one attempt rule of copies. ``mq-attempt`` counts deliveries
+  so far: a copy made after delivery ``n`` (a nack, an expired lease, a dead letter) writes
+  ``n``, so the copy's next delivery is ``n + 1``; a copy of a message nobody was handed
+  (a buffer handed back, an early arrival) writes the deliveries it already had.
+* :func:`split` / :func:`read`: a received message's header pairs into user headers (with
+  :data:`CARRIED`) and ``mq-*`` values, and those values into typed :class:`Fields`,
+  tolerant of a plain client's message (absent or malformed fields read as defaults: no
+  id, attempt 0, no times; the driver falls back on the broker's own id, count and
+  timestamp).
 """
 
 from __future__ import annotations
+
+from collections.abc import Container, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from .model import Envelope
 
 __all__ = [
     "ATTEMPT",
@@ -51,6 +80,17 @@ __all__ = [
     "REASON",
     "REPLY_TO",
     "TOPIC",
+    "Fields",
+    "encode",
+    "fields",
+    "pack",
+    "read",
+    "retry_fields",
+    "split",
+    "text",
+    "to_text",
+    "unpack",
+    "value",
 ]
 
 PREFIX = "mq-"
@@ -89,3 +129,167 @@ PACKED = {
     REPLY_TO: "y",
     CORRELATION_ID: "c",
 }
+
+_UNPACKED = {letter: name for name, letter in PACKED.items()}
+_KEEP: Any = object()  # "the envelope's own deliver_at"
+
+
+# -- values ----------------------------------------------------------------------------------
+def text(v: object) -> str:
+    """A header value as a client handed it back, as text: ``bytes`` decoded as UTF-8
+    (undecodable bytes replaced), None as ``""``, anything else with ``str``."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    return "" if v is None else str(v)
+
+
+def value(v: int | float | str) -> str:
+    """The one text encoding of a wire value: ints ``str``, floats ``repr`` (exact)."""
+    return repr(v) if v.__class__ is float else str(v)
+
+
+def to_text(typed: Mapping[str, int | float | str | None]) -> dict[str, str | None]:
+    """Typed wire fields as header text (None kept: "remove this header" in a copy)."""
+    return {k: None if v is None else value(v) for k, v in typed.items()}
+
+
+def pack(typed: Mapping[str, Any]) -> dict[str, Any]:
+    """Wire fields under their one-letter ``PACKED`` keys, values as they are (JSON)."""
+    return {PACKED[k]: v for k, v in typed.items()}
+
+
+def unpack(packed: Mapping[str, Any]) -> dict[str, Any]:
+    """The wire fields of a packed object by name (the packing's own keys left out)."""
+    return {_UNPACKED[k]: v for k, v in packed.items() if k in _UNPACKED}
+
+
+# -- encoding --------------------------------------------------------------------------------
+def fields(env: Envelope, *, id: bool = True, key: bool = False, topic: str | None = None,
+           deliver_at: float | None = _KEEP) -> dict[str, int | float | str]:
+    """An envelope's wire fields, typed: ``mq-id`` (unless ``id`` is False: the broker
+    carries it natively), ``mq-published-at``, ``mq-deliver-at`` when delayed (the
+    envelope's own, or ``deliver_at`` when given: None for none), ``mq-key`` when ``key``
+    (the broker's key field cannot hold it) and ``mq-topic`` when ``topic`` is given."""
+    out: dict[str, int | float | str] = {ID: env.id} if id else {}
+    out[PUBLISHED_AT] = env.published_at
+    due = env.deliver_at if deliver_at is _KEEP else deliver_at
+    if due is not None:
+        out[DELIVER_AT] = due
+    if key and env.key is not None:
+        out[KEY] = env.key
+    if topic is not None:
+        out[TOPIC] = topic
+    return out
+
+
+def encode(env: Envelope, *, id: bool = True, key: bool = False, topic: str | None = None,
+           deliver_at: float | None = _KEEP) -> dict[str, str]:
+    """An envelope's headers: the user's (with the ``mq-*`` the portable layer set, such as
+    ``mq-expires-at``), then its wire fields (:func:`fields`) as text."""
+    out = dict(env.headers)  # written out (hot path): equal to to_text(fields(...))
+    if id:
+        out[ID] = env.id
+    out[PUBLISHED_AT] = repr(env.published_at)
+    due = env.deliver_at if deliver_at is _KEEP else deliver_at
+    if due is not None:
+        out[DELIVER_AT] = repr(due)
+    if key and env.key is not None:
+        out[KEY] = env.key
+    if topic is not None:
+        out[TOPIC] = topic
+    return out
+
+
+def retry_fields(delivered: int, deliver_at: float | None = None,
+                 ) -> dict[str, int | float | None]:
+    """The fields a retry copy changes: ``mq-attempt`` = ``delivered``, the deliveries the
+    message had when copied (after delivery ``n``: ``n``; its next delivery is ``n + 1``),
+    and ``mq-deliver-at`` (None: deliverable at once, the header removed)."""
+    return {ATTEMPT: delivered, DELIVER_AT: deliver_at}
+
+
+# -- decoding --------------------------------------------------------------------------------
+class Fields(NamedTuple):
+    """A received message's wire fields, typed; None (attempt and hops: 0) where absent or
+    malformed, the driver then using the broker's own value."""
+
+    id: str | None = None
+    attempt: int = 0  #: deliveries so far (``mq-attempt``)
+    published_at: float | None = None
+    deliver_at: float | None = None
+    key: str | None = None
+    topic: str | None = None
+    hops: int = 0
+
+
+_PLAIN = Fields()
+_new = tuple.__new__  # a Fields without NamedTuple's Python-level __new__ (hot path)
+
+
+def split(pairs: Iterable[tuple[str, Any]], skip: Container[str] = (),
+          ) -> tuple[dict[str, str], dict[str, str]]:
+    """A received message's headers as ``(user headers, mq-* values)``, all as text
+    (:func:`text`): the user's headers with :data:`CARRIED` ones, and the wire schema's
+    for :func:`read`; names in ``skip`` (broker headers) dropped before any decoding."""
+    headers: dict[str, str] = {}
+    meta: dict[str, str] = {}
+    for k, v in pairs:
+        if skip and k in skip:
+            continue
+        cls = v.__class__
+        s = v if cls is str else v.decode("utf-8", "replace") if cls is bytes else text(v)
+        if k.startswith(PREFIX):
+            meta[k] = s
+            if k in CARRIED:
+                headers[k] = s
+        else:
+            headers[k] = s
+    return headers, meta
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v) if v is not None else 0
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return float(v) if v is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else v if v.__class__ is str else text(v)
+
+
+def read(meta: Mapping[str, Any]) -> Fields:
+    """The typed wire fields of ``mq-*`` values: text from :func:`split`, or the JSON
+    values of a packed object (:func:`unpack`)."""
+    if not meta:
+        return _PLAIN
+    get = meta.get
+    mid = get(ID)
+    n = get(ATTEMPT)
+    at = get(PUBLISHED_AT)
+    due = get(DELIVER_AT)
+    key = get(KEY)
+    topic = get(TOPIC)
+    hops = get(HOPS)
+    try:  # the fields as this codec writes them
+        return _new(Fields, (
+            (mid if mid.__class__ is str else text(mid)) or None if mid is not None else None,
+            int(n) if n is not None else 0,
+            float(at) if at is not None else None,
+            float(due) if due is not None else None,
+            key if key is None or key.__class__ is str else text(key),
+            topic if topic is None or topic.__class__ is str else text(topic),
+            int(hops) if hops is not None else 0,
+        ))
+    except (TypeError, ValueError, OverflowError):  # a malformed field reads as absent
+        return _new(Fields, (_str(mid) or None, _int(n), _float(at), _float(due), _str(key),
+                             _str(topic), _int(hops)))

@@ -911,21 +911,12 @@ class KafkaSubscription(DriverSubscription):
     def _decode(self, tp: TP, r: Any, retry: bool) -> Rec | None:
         """A fetched record as a ``Rec``; None for records this group must skip. The
         wire-schema headers go to their fields (defaults for records of plain clients)."""
-        headers: dict[str, str] = {}
-        meta: dict[str, str] = {}
-        prefix = wire.PREFIX
-        carried = wire.CARRIED
-        for k, v in r.headers or ():
-            if k.startswith(prefix):
-                meta[k] = v.decode("utf-8", "replace") if v else ""
-                if k in carried:
-                    headers[k] = meta[k]
-            else:
-                headers[k] = v.decode("utf-8", "replace") if v else ""
+        headers, meta = wire.split(r.headers or ())
+        f = wire.read(meta)
         key = r.key
         if retry:
-            topic = meta.get(wire.TOPIC, "")
-            text_key = meta.get(wire.KEY)
+            topic = f.topic or ""
+            text_key = f.key
             if text_key is None and key is not None:
                 text_key = key.decode("utf-8", "replace")
         else:
@@ -938,7 +929,7 @@ class KafkaSubscription(DriverSubscription):
             if known is not None:
                 topic = known
             elif name.startswith(HASHED):
-                topic = meta.get(wire.TOPIC, "")
+                topic = f.topic or ""
                 if not topic or not topic_matches(self.spec.pattern, topic):
                     return None
             else:
@@ -946,20 +937,10 @@ class KafkaSubscription(DriverSubscription):
             text_key = key.decode("utf-8", "replace") if key is not None else None
         offset = r.offset
         value = r.value
-        try:
-            ts = meta.get(wire.PUBLISHED_AT)
-            n = meta.get(wire.ATTEMPT)
-            due = meta.get(wire.DELIVER_AT)
-            hops = meta.get(wire.HOPS)
-            return Rec(tp, offset, topic, value if value is not None else b"", headers,
-                       text_key, meta.get(wire.ID) or f"{tp.topic}-{tp.partition}-{offset}",
-                       int(n) if n else 0,
-                       float(ts) if ts is not None else r.timestamp / 1000,
-                       float(due) if due else 0.0, int(hops) if hops else 0)
-        except ValueError:
-            return Rec(tp, offset, topic, value if value is not None else b"", headers,
-                       text_key, meta.get(wire.ID) or f"{tp.topic}-{tp.partition}-{offset}",
-                       0, r.timestamp / 1000)
+        at = f.published_at
+        return Rec(tp, offset, topic, value if value is not None else b"", headers, text_key,
+                   f.id or f"{tp.topic}-{tp.partition}-{offset}", f.attempt,
+                   at if at is not None else r.timestamp / 1000, f.deliver_at or 0.0, f.hops)
 
     # -- application side ------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -1183,9 +1164,7 @@ class KafkaSubscription(DriverSubscription):
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         rec = self._settle(receipt)
-        headers = self._copy_headers(rec)
-        headers += [(k, v.encode()) for k, v in dead_headers(reason, attempts,
-                                                              time.time()).items()]
+        headers = self._copy_headers(rec, dead_headers(reason, attempts, time.time()))
         topic = self.d.dead_topic(self.spec.name)
         try:
             self._fence_for(rec)  # as in nack: no copy once the partition is not ours
@@ -1203,28 +1182,26 @@ class KafkaSubscription(DriverSubscription):
         self._send_checkpoints(None)
 
     @staticmethod
-    def _copy_headers(rec: Rec) -> list[tuple[str, bytes]]:
+    def _copy_headers(rec: Rec, changes: Mapping[str, int | float | str | None] = {},
+                      ) -> list[tuple[str, bytes]]:
         """A re-published or dead-lettered copy's headers: the user's, then the wire
-        schema's identity of the original (its Kafka key becomes ``mq-key``)."""
+        schema's identity of the original (its Kafka key becomes ``mq-key``), then
+        ``changes`` (None: left out)."""
+        typed: dict[str, int | float | str | None] = {
+            wire.ID: rec.id, wire.PUBLISHED_AT: rec.published_at, wire.TOPIC: rec.topic,
+            wire.KEY: rec.key, **changes}
         headers = [(k, v.encode()) for k, v in rec.headers.items()]
-        headers += [
-            (wire.ID, rec.id.encode()),
-            (wire.PUBLISHED_AT, repr(rec.published_at).encode()),
-            (wire.TOPIC, rec.topic.encode()),
-        ]
-        if rec.key is not None:
-            headers.append((wire.KEY, rec.key.encode()))
+        headers += [(k, wire.value(v).encode()) for k, v in typed.items() if v is not None]
         return headers
 
-    def _copy(self, rec: Rec, n: int, delay: float, avoid_self: bool = False,
+    def _copy(self, rec: Rec, delivered: int, delay: float, avoid_self: bool = False,
               hop: bool = False) -> Outgoing:
-        """The record's copy for the group's retry topic, with attempt count ``n``."""
-        headers = self._copy_headers(rec)
-        headers.append((wire.ATTEMPT, str(n).encode()))
-        headers.append((wire.HOPS, str(rec.hops + 1 if hop else 0).encode()))
+        """The record's copy for the group's retry topic, after ``delivered`` deliveries
+        (the wire codec's attempt rule: its next delivery is ``delivered + 1``)."""
         due = time.time() + delay if delay > 0 else rec.due
-        if due > time.time():
-            headers.append((wire.DELIVER_AT, repr(due).encode()))
+        headers = self._copy_headers(rec, {
+            **wire.retry_fields(delivered, due if due > time.time() else None),
+            wire.HOPS: rec.hops + 1 if hop else 0})
         partition = None
         if self.spec.ordered and rec.key is not None:
             # Back to this member, on one retry partition per key: the portable layer's

@@ -36,11 +36,7 @@ from .watchdog import RELEASE_MARGIN, _Watchdog
 from .wire import (
     _BROKER_HEADERS,
     CONTENT_TYPE,
-    H_ATTEMPT,
-    H_DUE,
     H_EXPIRES,
-    H_KEY,
-    H_PUBLISHED,
     H_TOPIC,
     TIERS,
     _copy_props,
@@ -48,7 +44,6 @@ from .wire import (
     _expiration,
     _props_with,
     _queue_name,
-    _text,
 )
 
 log = logging.getLogger("mqabstract.rabbitmq")
@@ -283,20 +278,11 @@ class RabbitMQDriver(Driver):
 
     # -- message mapping -------------------------------------------------------------------
     def _props(self, env: Envelope, due: float | None) -> pika.BasicProperties:
-        headers: dict[str, Any] = {}
-        content_type = None
-        for name, value in env.headers.items():
-            if name == CONTENT_TYPE:
-                content_type = value
-            else:
-                headers[name] = value
-        # No mq-topic here: the routing key is the topic until the driver copies the
-        # message to a queue by name, and the copy then records it.
-        headers[H_PUBLISHED] = repr(env.published_at)
-        if env.key is not None:
-            headers[H_KEY] = env.key
-        if due is not None:
-            headers[H_DUE] = repr(due)
+        # The id travels as the AMQP message id (no mq-id); no mq-topic either: the routing
+        # key is the topic until the driver copies the message to a queue by name, and the
+        # copy then records it.
+        headers: dict[str, Any] = wire.encode(env, id=False, key=True, deliver_at=due)
+        content_type = headers.pop(CONTENT_TYPE, None)
         # A delayed message's expiration would end in its wait tier, and RabbitMQ removes
         # it when the tier dead-letters the message on: its TTL is checked when received.
         expiration = (_expiration(headers, time.time())
@@ -312,50 +298,38 @@ class RabbitMQDriver(Driver):
         )
 
     def _topic_of(self, raw: _Raw) -> str:
-        headers = raw.props.headers or {}
-        return _text(headers[H_TOPIC]) if H_TOPIC in headers else raw.routing_key
+        topic = raw.decoded()[1].topic
+        return topic if topic is not None else raw.routing_key
 
     def _delivery(self, raw: _Raw, attempt: int, receipt: int) -> Delivery:
         props = raw.props
-        headers: dict[str, str] = {}
-        key = None
-        published = None
-        for name, value in (props.headers or {}).items():
-            if name.startswith("mq-"):
-                if name == H_KEY:
-                    key = _text(value)
-                elif name == H_PUBLISHED:
-                    published = float(_text(value))
-                elif name in wire.CARRIED:
-                    headers[name] = _text(value)
-                continue
-            if name in _BROKER_HEADERS:
-                continue
-            headers[name] = _text(value)
+        user, f = raw.decoded()
+        headers = dict(user)  # the user's to change; the cached decode stays as received
         if props.content_type:
             headers[CONTENT_TYPE] = props.content_type
+        published = f.published_at
         if published is None:
             published = float(props.timestamp) if props.timestamp else time.time()
         if not props.message_id:  # a foreign publisher sent no id: pin one to this copy
             props.message_id = uuid.uuid4().hex
         return Delivery(
             id=props.message_id,
-            topic=self._topic_of(raw),
+            topic=f.topic if f.topic is not None else raw.routing_key,
             body=raw.body,
             headers=headers,
-            key=key,
+            key=f.key,
             priority=props.priority or 0,
             attempt=attempt,
             published_at=published,
             receipt=receipt,
         )
 
-    def _retry_item(self, raw: _Raw, queue: str, attempt: int, due: float | None) -> _Item:
-        """A copy of ``raw`` for ``queue`` with ``attempt``; through a wait tier if ``due``
-        is in the future (then ``due`` is also written down so early arrivals are caught)."""
+    def _retry_item(self, raw: _Raw, queue: str, delivered: int, due: float | None) -> _Item:
+        """A copy of ``raw`` for ``queue`` that had ``delivered`` deliveries (the wire
+        codec's attempt rule); through a wait tier if ``due`` is in the future (then ``due``
+        is also written down so early arrivals are caught)."""
         props = _copy_props(raw.props, **{H_TOPIC: self._topic_of(raw),
-                                          H_ATTEMPT: str(attempt - 1),  # so far
-                                          H_DUE: repr(due) if due is not None else None})
+                                          **wire.to_text(wire.retry_fields(delivered, due))})
         if due is not None:
             left = due - time.time()
             if left > 0:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pika
 import pika.exceptions as pex
 
+from mqabstract import wire
 from mqabstract.driver import DriverSubscription
 from mqabstract.emulation import LeaseTable, dead_headers
 from mqabstract.errors import (
@@ -30,7 +31,7 @@ from mqabstract.url import redact
 
 from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Pending
 from .watchdog import _WATCH_GRACE, _WATCH_LIVE, _WATCH_SLACK, _WATCH_STEP, _socket_cut, _Watchdog
-from .wire import H_ATTEMPT, H_DUE, H_TOPIC, _copy_props, _text
+from .wire import _BROKER_HEADERS, H_DUE, H_TOPIC, _copy_props
 
 if TYPE_CHECKING:
     from .driver import RabbitMQDriver
@@ -47,7 +48,7 @@ _CHANNEL_GEN = itertools.count(1)
 class _Raw:
     """A message as the broker delivered it to our channel, before the user saw it."""
 
-    __slots__ = ("body", "gen", "props", "redelivered", "routing_key", "tag")
+    __slots__ = ("_decoded", "body", "gen", "props", "redelivered", "routing_key", "tag")
 
     def __init__(self, gen: int, tag: int, redelivered: bool, routing_key: str,
                  props: Any, body: bytes) -> None:
@@ -57,20 +58,29 @@ class _Raw:
         self.routing_key = routing_key
         self.props = props
         self.body = body
+        self._decoded: tuple[dict[str, str], wire.Fields] | None = None
+
+    def decoded(self) -> tuple[dict[str, str], wire.Fields]:
+        """(user headers, wire fields) of its AMQP headers, decoded once."""
+        d = self._decoded
+        if d is None:
+            headers, meta = wire.split((self.props.headers or {}).items(), _BROKER_HEADERS)
+            d = self._decoded = (headers, wire.read(meta))
+        return d
+
+    def so_far(self) -> int:
+        """Deliveries so far: those written down plus those the broker counted itself."""
+        count = (self.props.headers or {}).get("x-delivery-count")
+        if count is not None:
+            return self.decoded()[1].attempt + int(count)
+        return self.decoded()[1].attempt + (1 if self.redelivered else 0)
 
     def attempt(self) -> int:
-        headers = self.props.headers or {}
-        base = int(_text(headers.get(H_ATTEMPT, 0))) + 1  # deliveries so far + this one
-        count = headers.get("x-delivery-count")
-        if count is not None:
-            return base + int(count)
-        return base + (1 if self.redelivered else 0)
+        """This delivery's attempt."""
+        return self.so_far() + 1
 
     def due(self) -> float | None:
-        headers = self.props.headers
-        if headers and H_DUE in headers:
-            return float(_text(headers[H_DUE]))
-        return None
+        return self.decoded()[1].deliver_at
 
 
 class RabbitMQSubscription(DriverSubscription):
@@ -612,7 +622,7 @@ class RabbitMQSubscription(DriverSubscription):
             self._io_watch()
         if expired:
             self._io_copy_then_ack(
-                [(raw, self._driver._retry_item(raw, self.queue, attempt + 1, 0.0))
+                [(raw, self._driver._retry_item(raw, self.queue, attempt, 0.0))
                  for raw, attempt in expired],
                 lambda _ok: self._release_done(len(expired)),
             )
@@ -659,7 +669,7 @@ class RabbitMQSubscription(DriverSubscription):
                     then()
 
             self._io_copy_then_ack(
-                [(raw, self._driver._retry_item(raw, self.queue, raw.attempt(), None))
+                [(raw, self._driver._retry_item(raw, self.queue, raw.so_far(), None))
                  for raw in raws],
                 after,
             )
@@ -793,7 +803,7 @@ class RabbitMQSubscription(DriverSubscription):
         copies = []
         try:
             for raw, due in items:
-                copies.append((raw, self._driver._retry_item(raw, self.queue, raw.attempt(),
+                copies.append((raw, self._driver._retry_item(raw, self.queue, raw.so_far(),
                                                              due)))
         finally:
             count = len(items)
@@ -864,7 +874,7 @@ class RabbitMQSubscription(DriverSubscription):
                 self._expect_locked([taken[0].props.message_id], delay)
         due = time.time() + delay if delay > 0 else None
         try:
-            item = self._driver._retry_item(taken[0], self.queue, taken[1] + 1, due)
+            item = self._driver._retry_item(taken[0], self.queue, taken[1], due)
         except BaseException:
             self._release_done(1)
             raise

@@ -27,9 +27,9 @@ _BROKER_HEADERS = frozenset({
     "x-first-death-reason", "x-last-death-exchange", "x-last-death-queue",
     "x-last-death-reason",
 })
-# The wire schema (mqabstract/wire.py); H_ATTEMPT counts deliveries so far.
-H_TOPIC, H_KEY, H_ATTEMPT = wire.TOPIC, wire.KEY, wire.ATTEMPT
-H_PUBLISHED, H_DUE = wire.PUBLISHED_AT, wire.DELIVER_AT
+# The wire schema (mqabstract/wire.py, which also encodes and decodes it); H_ATTEMPT counts
+# deliveries so far.
+H_TOPIC, H_ATTEMPT, H_DUE = wire.TOPIC, wire.ATTEMPT, wire.DELIVER_AT
 H_REASON, H_DEAD_AT = wire.REASON, wire.DEAD_AT
 H_EXPIRES = wire.EXPIRES_AT
 # The longest per-message expiration RabbitMQ accepts (ms); a longer TTL is left to the
@@ -42,12 +42,6 @@ _MAX_NAME = 255  # AMQP short string
 def _queue_name(*parts: str) -> str:
     """Join name parts; a name over AMQP's 255-byte limit keeps a head and a digest."""
     return fit_name(".".join(parts), _MAX_NAME, digest_chars=32, sep="~")
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
 
 
 def _own_headers(props: Any) -> dict[str, Any]:
@@ -94,7 +88,7 @@ def _expiration(headers: Any, now: float) -> str | None:
     if value is None:
         return None
     try:
-        left = float(_text(value)) - now
+        left = float(wire.text(value)) - now
     except ValueError:
         return None
     if not math.isfinite(left):
@@ -117,16 +111,16 @@ def _dead_headers(props: Any) -> dict[str, Any]:
     keys = death.get("routing-keys") or []
     # Deliveries the driver wrote down; a broker redelivery (a consumer that died) is not
     # among them: RabbitMQ 3.10 leaves x-delivery-count off a dead-lettered message.
-    so_far = int(_text(own.get(H_ATTEMPT, 0)))
-    reason = _text(death.get("reason", "expired"))
+    so_far = wire.read(own).attempt
+    reason = wire.text(death.get("reason", "expired"))
     dead_at = when.timestamp() if hasattr(when, "timestamp") else float(when or 0)
     if reason == "expired" and H_EXPIRES in own:
         # x-death keeps whole seconds; the TTL's end falls within that second.
         with contextlib.suppress(ValueError):
-            dead_at = min(max(dead_at, float(_text(own[H_EXPIRES]))), dead_at + 1.0)
+            dead_at = min(max(dead_at, float(wire.text(own[H_EXPIRES]))), dead_at + 1.0)
     own[H_REASON] = reason
     own[H_DEAD_AT] = repr(dead_at)
     own[H_ATTEMPT] = str(so_far)
     if H_TOPIC not in own and keys:
-        own[H_TOPIC] = _text(keys[0])
+        own[H_TOPIC] = wire.text(keys[0])
     return own

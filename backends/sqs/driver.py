@@ -19,6 +19,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from mqabstract import wire as wire_schema
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.emulation import Pattern, next_hop
@@ -39,14 +40,12 @@ from mqabstract.wire import EXPIRES_AT
 
 from .subscription import SQSSubscription, _Group, _Receipt
 from .wire import (
-    _OURS,
     ATTR_TOPIC,
     BATCH,
     M_ATTEMPT,
     M_DEAD_AT,
     M_DUE,
     M_ID,
-    M_KEY,
     M_PUBLISHED,
     M_REASON,
     MAX_BODY,
@@ -575,11 +574,12 @@ class SQSDriver(Driver):
             ):
                 drop.append(msg["ReceiptHandle"])  # admitted by the filter policy superset only
                 continue
-            due = wire.meta.get(M_DUE)
-            if isinstance(due, (int, float)) and due > now:
-                self._defer(receipt, float(due) - now)
+            fields = wire.fields()
+            due = fields.deliver_at
+            if due is not None and due > now:
+                self._defer(receipt, due - now)
                 continue
-            delivery = self._delivery(msg, wire, group, topic, receipt)
+            delivery = self._delivery(msg, wire, fields, group, topic, receipt)
             receipt.delivery = delivery
             receipt.attempt = delivery.attempt
             out.append(delivery)
@@ -587,41 +587,34 @@ class SQSDriver(Driver):
             self._delete_handles(group.queue_url, drop)
         return out
 
-    def _delivery(self, msg: Mapping[str, Any], wire: _Wire, group: _Group, topic: str | None,
-                  receipt: _Receipt) -> Delivery:
+    def _delivery(self, msg: Mapping[str, Any], wire: _Wire, fields: wire_schema.Fields,
+                  group: _Group, topic: str | None, receipt: _Receipt) -> Delivery:
         meta = wire.meta
         sysattrs = msg.get("Attributes") or {}
         count = int(sysattrs.get("ApproximateReceiveCount", 1))
-        attempt = count + int(meta.get(M_ATTEMPT, 0))
-        due = meta.get(M_DUE)
+        attempt = count + fields.attempt
+        due = fields.deliver_at
         first = sysattrs.get("ApproximateFirstReceiveTimestamp")
-        if group.fifo and isinstance(due, (int, float)) and first:
+        if group.fifo and due is not None and first:
             # FIFO delay hops were receives too: one per started 12 h before the due time.
-            ahead = float(due) - int(first) / 1000.0
+            ahead = due - int(first) / 1000.0
             if ahead > 0:
                 attempt -= math.ceil(ahead / (MAX_VISIBILITY - 60))
-        headers: dict[str, str] = {}
-        for name, value in wire.attributes.items():
-            if name not in _OURS:
-                headers[name] = value.get("StringValue", "")
-        packed = meta.get("h")
-        if isinstance(packed, dict):
-            headers.update({str(k): str(v) for k, v in packed.items()})
-        key = meta.get(M_KEY)
+        key = fields.key
         if key is None and not meta and group.fifo:
             key = sysattrs.get("MessageGroupId")
-        published = meta.get(M_PUBLISHED)
-        if not isinstance(published, (int, float)):
+        published = fields.published_at
+        if published is None:
             published = int(sysattrs.get("SentTimestamp", time.time() * 1000)) / 1000.0
         return Delivery(
-            id=str(meta.get(M_ID) or msg.get("MessageId")),
+            id=fields.id or str(msg.get("MessageId")),
             topic=topic or group.name,
             body=_decode_body(wire.body, meta.get("e")),
-            headers=headers,
+            headers=wire.headers(),
             key=key,
             priority=int(meta.get("p", 0)),
             attempt=max(1, attempt),
-            published_at=float(published),
+            published_at=published,
             receipt=receipt,
         )
 
@@ -697,8 +690,8 @@ class SQSDriver(Driver):
             return
         # Longer than SQS lets a message stay hidden: send a copy that remembers its attempts
         # and becomes due later, then drop this one.
-        wire = receipt.wire.with_meta(**{M_ATTEMPT: receipt.attempt,
-                                         M_DUE: time.time() + delay})
+        wire = receipt.wire.with_meta(**wire_schema.pack(
+            wire_schema.retry_fields(receipt.attempt, time.time() + delay)))
         self._send(receipt.group.queue_url, wire, min(MAX_DELAY_SECONDS, seconds),
                    receipt.group.fifo)
         self._delete_handles(receipt.group.queue_url, [receipt.handle])
@@ -764,15 +757,15 @@ class SQSDriver(Driver):
         extra: list[dict[str, Any]] = []
 
         def order(m: Mapping[str, Any]) -> tuple[int, float, int, str]:
-            meta = _from_sqs(m).meta
+            w = _from_sqs(m)
             sent = int((m.get("Attributes") or {}).get("SentTimestamp", 0))
-            dead_at = meta.get(M_DEAD_AT)
-            return (int(meta.get(M_ATTEMPT, 0)),
+            dead_at = w.meta.get(M_DEAD_AT)
+            return (w.fields().attempt,
                     float(dead_at) if isinstance(dead_at, (int, float)) else sent / 1000.0,
                     sent, str(m["MessageId"]))
 
         for m in sorted(self._scan(g.dlq_url), key=order):
-            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
+            mid = _from_sqs(m).fields().id or str(m["MessageId"])
             if mid in first:
                 extra.append(m)
             else:
@@ -799,24 +792,18 @@ class SQSDriver(Driver):
     def _dead_letter_view(self, msg: Mapping[str, Any]) -> DeadLetter:
         wire = _from_sqs(msg)
         meta = wire.meta
-        headers: dict[str, str] = {
-            n: v.get("StringValue", "") for n, v in wire.attributes.items() if n not in _OURS
-        }
-        if isinstance(meta.get("h"), dict):
-            headers.update(meta["h"])
+        fields = wire.fields()
         sent = int((msg.get("Attributes") or {}).get("SentTimestamp", 0)) / 1000.0
-        published = meta.get(M_PUBLISHED)
-        if not isinstance(published, (int, float)):
-            published = sent
+        published = fields.published_at
         return DeadLetter(
-            id=str(meta.get(M_ID) or msg["MessageId"]),
+            id=fields.id or str(msg["MessageId"]),
             topic=wire.attributes.get(ATTR_TOPIC, {}).get("StringValue", ""),
             body=_decode_body(wire.body, meta.get("e")),
-            headers=headers,
-            key=meta.get(M_KEY),
+            headers=wire.headers(),
+            key=fields.key,
             priority=int(meta.get("p", 0)),
-            published_at=utc(float(published)),
-            attempts=int(meta.get(M_ATTEMPT, 0)),
+            published_at=utc(published if published is not None else sent),
+            attempts=fields.attempt,
             reason=str(meta.get(M_REASON, "")),
             dead_lettered_at=utc(float(meta.get(M_DEAD_AT, sent))),
         )
@@ -838,7 +825,7 @@ class SQSDriver(Driver):
         chosen: list[Any] = []
         rest: list[Any] = []
         for m in messages:
-            mid = str(_from_sqs(m).meta.get(M_ID) or m["MessageId"])
+            mid = _from_sqs(m).fields().id or str(m["MessageId"])
             (chosen if ids is None or mid in ids else rest).append(m)
         return g, chosen, rest
 

@@ -29,10 +29,10 @@ ATTR_TOPIC = wire_schema.TOPIC
 ATTR_META = "mq"  # the packed wire schema: one JSON object, keys from wire.PACKED
 # Packed keys of the wire schema (mqabstract/wire.py); the others are this packing's own:
 # "v" version, "e" body encoding, "h" headers, "p" priority.
-M_ID, M_ATTEMPT, M_PUBLISHED, M_DUE, M_REASON, M_DEAD_AT, M_KEY = (
+M_ID, M_ATTEMPT, M_PUBLISHED, M_DUE, M_REASON, M_DEAD_AT = (
     wire_schema.PACKED[name] for name in (
         wire_schema.ID, wire_schema.ATTEMPT, wire_schema.PUBLISHED_AT, wire_schema.DELIVER_AT,
-        wire_schema.REASON, wire_schema.DEAD_AT, wire_schema.KEY,
+        wire_schema.REASON, wire_schema.DEAD_AT,
     )
 )
 _OURS = (ATTR_TOPIC, ATTR_META)
@@ -95,6 +95,20 @@ class _Wire:
     meta: dict[str, Any]
     group_id: str
 
+    def fields(self) -> wire_schema.Fields:
+        """The packed wire fields, typed (defaults for a plain client's message)."""
+        return wire_schema.read(wire_schema.unpack(self.meta))
+
+    def headers(self) -> dict[str, str]:
+        """The user's headers (and carried ``mq-*`` ones): attributes, or packed under
+        ``h`` when they did not fit."""
+        headers, _ = wire_schema.split(
+            ((n, v.get("StringValue", "")) for n, v in self.attributes.items()), _OURS)
+        packed = self.meta.get("h")
+        if isinstance(packed, dict):
+            headers.update({str(k): str(v) for k, v in packed.items()})
+        return headers
+
     def with_meta(self, **changes: Any) -> _Wire:
         meta = {k: v for k, v in {**self.meta, **changes}.items() if v is not None}
         attrs = dict(self.attributes)
@@ -131,13 +145,9 @@ def _dumps(meta: Mapping[str, Any]) -> str:
 
 def _to_wire(env: Envelope) -> _Wire:
     text, flag = _encode_body(env.body)
-    meta: dict[str, Any] = {"v": 1, M_ID: env.id, M_PUBLISHED: env.published_at}
-    if env.key is not None:
-        meta[M_KEY] = env.key
+    meta: dict[str, Any] = {"v": 1, **wire_schema.pack(wire_schema.fields(env, key=True))}
     if env.priority:
         meta["p"] = env.priority
-    if env.deliver_at is not None:
-        meta[M_DUE] = env.deliver_at
     if flag:
         meta["e"] = flag
     attrs: dict[str, dict[str, str]] = {

@@ -23,8 +23,10 @@ T = TypeVar("T")
 
 
 def dead_headers(reason: str, attempts: int, now: float) -> dict[str, str]:
-    """The metadata to add to a copy dead-lettered at epoch time ``now``."""
-    return {wire.REASON: reason, wire.ATTEMPT: str(attempts), wire.DEAD_AT: repr(now)}
+    """The metadata to add to a copy dead-lettered at epoch time ``now``: its attempts are
+    the deliveries it had (the wire codec's rule for copies)."""
+    return {wire.REASON: reason, wire.ATTEMPT: wire.value(attempts),
+            wire.DEAD_AT: wire.value(now)}
 
 
 def replay_headers(headers: Mapping[str, T]) -> dict[str, T]:
@@ -34,31 +36,31 @@ def replay_headers(headers: Mapping[str, T]) -> dict[str, T]:
             if k not in DEAD_META and k != wire.DELIVER_AT and k != wire.EXPIRES_AT}
 
 
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def dead_letter_from(headers: Mapping[str, object], body: bytes, *, id: str = "",
                      topic: str = "", key: str | None = None, priority: int = 0,
                      published_at: float = 0.0, skip: Collection[str] = ()) -> DeadLetter:
     """Decode a stored copy. Wire headers win over the native fallbacks given as keywords
     (``id``, ``topic``, ``key``, ``published_at``); other ``mq-`` headers and the names in
     ``skip`` (broker headers) are not the user's and are left out of ``headers``."""
-    meta = {k: _text(v) for k, v in headers.items() if k.startswith(wire.PREFIX)}
-    user = {k: _text(v) for k, v in headers.items()
+    meta = {k: v for k, v in headers.items() if k.startswith(wire.PREFIX)}
+    user = {k: wire.text(v) for k, v in headers.items()
             if not k.startswith(wire.PREFIX) and k not in skip}
-    dead_at = meta.get(wire.DEAD_AT)
+    f = wire.read(meta)
+    try:
+        dead_at = float(wire.text(meta[wire.DEAD_AT])) if meta.get(wire.DEAD_AT) else None
+    except ValueError:
+        dead_at = None
     return DeadLetter(
-        id=meta.get(wire.ID, id),
-        topic=meta.get(wire.TOPIC, topic),
+        id=f.id or id,
+        topic=f.topic if f.topic is not None else topic,
         body=body,
         headers=user,
-        key=meta.get(wire.KEY, key),
+        key=f.key if f.key is not None else key,
         priority=priority,
-        published_at=utc(float(meta.get(wire.PUBLISHED_AT, published_at))),
-        attempts=int(meta.get(wire.ATTEMPT, "0")),
-        reason=meta.get(wire.REASON, ""),
-        dead_lettered_at=utc(float(dead_at)) if dead_at else None,
+        published_at=utc(f.published_at if f.published_at is not None else published_at),
+        attempts=f.attempt,
+        reason=wire.text(meta.get(wire.REASON, "")),
+        dead_lettered_at=utc(dead_at) if dead_at is not None else None,
     )
 
 
