@@ -1049,7 +1049,9 @@ class Subscription:
                 with self._settling("release", lambda m=msg: (m,)):  # type: ignore[misc]
                     self._inner.nack(msg._receipt, 0.0)
             except Exception as exc:  # the connection may be gone; leases expire anyway
-                log.debug("release of %s failed: %s", msg.id, redact(str(exc)))
+                # A warning: the message now waits out its lease before anyone gets it.
+                log.warning("release of %s failed (delivered again after its lease): %s",
+                            msg.id, redact(str(exc)))
                 continue
             self._ungate((msg,), 0.0)
 
