@@ -89,6 +89,51 @@ def test_open_wal_asks_before_switching_and_immediate_rolls_back(tmp_path: Path)
     conn.execute("ROLLBACK")
 
 
+class _InterruptedAfterBegin(sqlite3.Connection):
+    """A Ctrl-C that arrives while ``BEGIN IMMEDIATE`` runs in C is raised by the
+    interpreter right after the call returns: the transaction is already open."""
+
+    armed = True
+
+    def execute(self, sql: str, *args):  # type: ignore[no-untyped-def,override]
+        cur = super().execute(sql, *args)
+        if sql == "BEGIN IMMEDIATE" and self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return cur
+
+
+def test_a_ctrl_c_landing_right_after_begin_leaves_no_transaction_open(tmp_path: Path) -> None:
+    # The CLI's `tail` test once exited 130 without releasing its held message: the
+    # release's own write found the interrupted receive's transaction still open.
+    conn = sqlite3.connect(str(tmp_path / "f.db"), isolation_level=None,
+                           factory=_InterruptedAfterBegin)
+    conn.execute("CREATE TABLE t (x)")
+    with pytest.raises(KeyboardInterrupt), immediate(conn):
+        conn.execute("INSERT INTO t VALUES (1)")
+    assert not conn.in_transaction
+    with immediate(conn):  # the next write (the release at exit) goes through
+        conn.execute("INSERT INTO t VALUES (2)")
+    assert conn.execute("SELECT x FROM t").fetchall() == [(2,)]
+
+
+def test_a_transaction_abandoned_outside_its_block_is_rolled_back_by_the_next(
+        tmp_path: Path) -> None:
+    # A Ctrl-C between the BEGIN and the with-block's start (inside contextlib's
+    # __enter__) never reaches the block's handler: the next write on the connection
+    # rolls the abandoned one back, and closing the abandoned block later touches nothing.
+    conn = sqlite3.connect(str(tmp_path / "f.db"), isolation_level=None)
+    conn.execute("CREATE TABLE t (x)")
+    abandoned = immediate(conn)
+    abandoned.__enter__()
+    conn.execute("INSERT INTO t VALUES (1)")
+    with immediate(conn):
+        conn.execute("INSERT INTO t VALUES (2)")
+        abandoned.gen.close()  # what the garbage collector does to the abandoned block
+        assert conn.in_transaction  # ...without rolling back the live one
+    assert conn.execute("SELECT x FROM t").fetchall() == [(2,)]
+
+
 def _open_store(path: str, start: multiprocessing.synchronize.Event, out) -> None:  # type: ignore[no-untyped-def]
     start.wait()
     try:

@@ -98,13 +98,24 @@ def open_wal(path: str, *, timeout: float, what: str, synchronous: str = "NORMAL
 @contextlib.contextmanager
 def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """One ``BEGIN IMMEDIATE`` transaction: committed when the block ends, rolled back when
-    it raises (also on ``BaseException``: a thread stopped mid-write leaves nothing)."""
-    conn.execute("BEGIN IMMEDIATE")
+    it raises (also on ``BaseException``: a thread stopped mid-write leaves nothing).
+
+    A Ctrl-C can land where no handler sees it: the interpreter raises it just after the
+    ``BEGIN`` returns from C, or inside ``contextlib``'s ``__enter__`` before the block
+    starts. Both left the transaction open and every later write on the connection failed
+    (``mqa tail`` exited without releasing its held messages). So the ``BEGIN`` sits
+    inside the handler, and a transaction still open when a block starts — abandoned, as
+    writes on one connection never nest — is rolled back first. An abandoned block is
+    closed later by the garbage collector (``GeneratorExit``), maybe while a newer block's
+    transaction is open: that close touches nothing."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
     try:
+        conn.execute("BEGIN IMMEDIATE")
         yield conn
         conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
+    except BaseException as exc:
+        if conn.in_transaction and not isinstance(exc, GeneratorExit):
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
         raise
