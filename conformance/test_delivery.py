@@ -84,7 +84,10 @@ def test_lease_expiry_redelivers(mq_ctx: Ctx) -> None:
     assert not early, f"redelivered before the lease expired: {early}"
     # ...but after it, with attempt + 1.
     [again] = mq_ctx.drain(sub, 1, ack=False)
-    assert again.id == mid and again.attempt == 2
+    # One more than the delivery we saw (not 2: a receive that returned after its 2 s
+    # lease on a loaded machine is a delivery nobody saw, and counted, as the lease rule
+    # says; CI's moto once took that long).
+    assert again.id == mid and again.attempt == msg.attempt + 1
     assert time.monotonic() - leased_at >= mq_ctx.lease * 0.9
     again.ack()
     with pytest.raises(mqabstract.LeaseExpired):  # the lease rule: never reaches the broker
@@ -320,7 +323,9 @@ def test_abandoned_consumer_message_comes_back(mq_ctx: Ctx) -> None:
         taken = hung.receive(1, 0.5)
     assert taken and taken[0].id == mid
     [back] = mq_ctx.drain(live, 1)  # the hung consumer never settles
-    assert back.id == mid and back.attempt == 2
+    # The delivery after the hung one's (which is attempt 2 when its first receive came
+    # back after the lease: SQS on CI's loaded moto, a counted delivery nobody saw).
+    assert back.id == mid and back.attempt == taken[0].attempt + 1
 
 
 _CRASHER = textwrap.dedent(
