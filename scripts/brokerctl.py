@@ -568,8 +568,9 @@ class ApacheKafka(_Managed):
     what a producer saw acknowledged with ``acks=all`` must still be there); with
     ``fresh=True`` (default) the first ``start`` wipes data left by an earlier session.
     The controller listens on ``controller_port`` (default: port + 1000). Group settings
-    are Kafka's defaults (``group.min.session.timeout.ms`` 6000 ...) except
-    ``group.initial.rebalance.delay.ms=0``, the usual setting of a test broker.
+    are Kafka's defaults except ``group.initial.rebalance.delay.ms=0``, the usual setting
+    of a test broker, and ``group.min.session.timeout.ms=1000`` (6000 by default), so the
+    fault scenarios may use short consumer sessions.
     """
 
     kind = "kafka"
@@ -613,6 +614,8 @@ class ApacheKafka(_Managed):
             "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             f"log.dirs={self.data}",
             "group.initial.rebalance.delay.ms=0",
+            # The fault scenarios' 2 s consumer sessions (tests/reliability FAULT_OPTIONS).
+            "group.min.session.timeout.ms=1000",
         ]
         if self.voters:
             lines.append(f"controller.quorum.voters={self.voters}")

@@ -551,6 +551,23 @@ def test_a_backlog_of_delayed_records_does_not_stop_undelayed_ones(url, client) 
             mq.delete_group(group)
 
 
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_session_below_the_brokers_minimum_is_an_invalid_argument(url, client) -> None:
+    """The broker refuses a consumer session under ``group.min.session.timeout.ms`` (1000 on
+    the test brokers, 6000 on a stock one): ``subscribe`` raises InvalidArgument naming the
+    option, never a raw client error or a group that silently never joins."""
+    sep = "&" if "?" in url else "?"
+    bad = f"{url}{sep}client={client}&session_timeout_ms=500&heartbeat_interval_ms=100"
+    with mqabstract.connect(bad) as mq:
+        token = "s" + os.urandom(4).hex()
+        group = f"short-{token}"
+        try:
+            with pytest.raises(mqabstract.InvalidArgument, match="session_timeout_ms"):
+                mq.subscribe(group, f"ss.{token}.x").close()
+        finally:
+            mq.delete_group(group)
+
+
 def test_buffer_options_out_of_range_are_refused_at_connect(url) -> None:
     sep = "&" if "?" in url else "?"
     for option, bad in (("prefetch_kbytes", 0), ("prefetch_kbytes", 2_097_152),

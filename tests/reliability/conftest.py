@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import Reporter, kind, with_client
+from .support import Reporter, fault_url, kind
 
 ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
 BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
@@ -64,7 +64,7 @@ def rel_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         return f"sqlite:///{path}"
     from tests.brokers import resolve_url
 
-    return with_client(backend, resolve_url(kind(backend)))
+    return fault_url(backend, resolve_url(kind(backend)))
 
 
 @pytest.fixture(scope="session")

@@ -40,10 +40,10 @@ from .support import (
     ack_stale,
     body_for,
     drain,
+    fault_url,
     hold_some,
     spare_port,
     token,
-    with_client,
 )
 from .support import kind as support_kind
 
@@ -66,7 +66,7 @@ def private(backend: str, tmp_path: Path) -> Iterator[Any]:
     """A private broker for ``backend``, stopped at teardown whatever happened."""
     kind = support_kind(backend)
     broker = _private(kind, tmp_path / "brokers")
-    broker.client_url = with_client(backend, broker.url)
+    broker.client_url = fault_url(backend, broker.url)
     try:
         broker.start()
     except Exception as exc:  # missing rabbitmq-server / Kafka jars / moto

@@ -32,9 +32,9 @@ from .support import (
     ack_stale,
     body_for,
     drain,
+    fault_url,
     hold_some,
     token,
-    with_client,
 )
 from .support import kind as support_kind
 
@@ -53,7 +53,7 @@ def box(backend: str) -> Iterator[Any]:
         if in_ci():
             pytest.fail(f"no broker container (CI=true: never skipped): {exc}")
         pytest.skip(f"no broker container: {exc}")
-    running.client_url = with_client(backend, running.url)
+    running.client_url = fault_url(backend, running.url)
     try:
         yield running
     finally:

@@ -45,6 +45,7 @@ from tests.brokers import in_ci
 
 from .history import LEASE_EXPIRED
 from .support import (
+    KAFKA_SESSION,
     LEASE,
     Ledger,
     Publisher,
@@ -52,6 +53,7 @@ from .support import (
     body_for,
     cleanup,
     drain,
+    fault_url,
     freeze_a_holder,
     spare_port,
     token,
@@ -67,7 +69,7 @@ PARTITIONS = 2
 OUTAGE = 10.0
 MAX_OUTAGE = 45.0
 BATCH = 20
-SESSION = 6.0  # the driver's default session_timeout_ms, Apache's minimum
+SESSION = 6.0  # the driver's default session_timeout_ms (the plain-URL scenario's)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def _url(cluster: Any, backend: str) -> str:
     options = f"replication_factor=3&min_insync_replicas=2&partitions={PARTITIONS}"
-    return with_client(backend, f"{cluster.url}?{options}")
+    return fault_url(backend, f"{cluster.url}?{options}")
 
 
 def _heal(cluster: Any) -> None:
@@ -436,7 +438,7 @@ def test_consumer_stalled_past_session(cluster: Any, backend: str, reporter: Rep
                 ledger.confirm(mid, body_for(mid))
             # frozen longer than session + lease whatever happens meanwhile
             run = freeze_a_holder(mq, url, group, pattern, LEASE, held_n, ledger, margin,
-                                  frozen_for=SESSION + LEASE + 1)
+                                  frozen_for=KAFKA_SESSION + LEASE + 1)
         finally:
             cleanup(mq, group)
     held, arrived, after, code = run.held, run.arrived, run.after, run.code
