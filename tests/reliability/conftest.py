@@ -45,7 +45,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         wanted = [b for b in wanted if kind(b) in marker.args]
         if marker.kwargs.get("one_client"):  # a portable-layer scenario: the default client
             wanted = [b for b in wanted if b == kind(b)]
-    metafunc.parametrize("backend", wanted, scope="session")
+    # Module scope: pytest runs a module's backends together, so a module's own brokers
+    # (the three-node Kafka cluster) start once, not once per backend.
+    metafunc.parametrize("backend", wanted, scope="module")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def rel_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """URL of the shared broker (or a fresh file / hub) for ``backend``."""
     if backend == "memory":
