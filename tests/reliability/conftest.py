@@ -10,6 +10,7 @@ finds the shared brokers; in CI a missing broker fails, never skips). The backen
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +68,14 @@ def rel_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.brokers import resolve_url
 
     return fault_url(backend, resolve_url(kind(backend)))
+
+
+@pytest.fixture(autouse=True)
+def _client_debug_log(caplog: pytest.LogCaptureFixture) -> None:
+    """The library's DEBUG log (rebalances, take-overs, commits, stall checks) is kept for
+    every scenario and shown when one fails: a fault that does not reproduce on demand
+    must still say what the client did."""
+    caplog.set_level(logging.DEBUG, logger="mqabstract")
 
 
 @pytest.fixture(scope="session")

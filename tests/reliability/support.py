@@ -457,6 +457,31 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
             history.receiving(who, began, end)
 
 
+def snapshot(sub: mqabstract.Subscription) -> str:
+    """What a stuck subscription is doing: the stacks of the client's threads (``mqa-``)
+    and the size or value of each field of the driver's subscription object. Printed by
+    ``drain`` when its limit passes with messages missing, so a failure that does not
+    reproduce on demand still says where the consumer stood (diagnostic only)."""
+    import traceback
+
+    lines = []
+    inner = getattr(sub, "_inner", None)
+    for name, value in sorted(vars(inner).items()) if inner is not None else ():
+        if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
+            with contextlib.suppress(Exception):
+                shown = sorted(map(str, value))[:8] if len(value) <= 8 else "…"
+                lines.append(f"  {name}: {len(value)} {shown}")
+                continue
+        if isinstance(value, (int, float, bool, str, type(None))):
+            lines.append(f"  {name}: {value!r}"[:200])
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        if names.get(ident, "").startswith("mqa"):
+            stack = "".join(traceback.format_stack(frame, limit=6))
+            lines.append(f"  thread {names[ident]}:\n{stack}")
+    return "\n".join([f"subscription {type(inner).__name__}:", *lines])
+
+
 def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: float,
           want: set[str] | None = None, errors: list[str] | None = None,
           holder: str = "here") -> None:
@@ -468,9 +493,14 @@ def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: flo
     """
     deadline = time.monotonic() + limit
     last = time.monotonic()
-    while time.monotonic() < deadline:
+    while True:
         done = want is None or want <= ledger.acked | set(ledger.dead)
         if done and time.monotonic() - last >= quiet:
+            return
+        if time.monotonic() >= deadline:
+            if not done:
+                print(f"drain: {len(want - ledger.acked - set(ledger.dead))} wanted ids "
+                      f"missing after {limit}s\n{snapshot(sub)}")
             return
         try:
             got = ledger.receive(sub, 20, 0.5, holder)
