@@ -315,6 +315,30 @@ def test_private_moto_restart_cycle(tmp_path: Path) -> None:
         moto.stop()
 
 
+def test_moto_reset_forgets_queues_and_subscriptions(tmp_path: Path) -> None:
+    """``brokers reset sqs`` (the test command runs it before the fault stage): the same
+    process, no queue, topic or subscription left."""
+    boto3 = pytest.importorskip("boto3")
+    moto = bc.PrivateMoto(port=spare_port(15390), state_dir=tmp_path, python=sys.executable)
+    with moto:
+        kw = dict(endpoint_url=f"http://127.0.0.1:{moto.port}", region_name="us-east-1",
+                  aws_access_key_id="x", aws_secret_access_key="x")
+        sqs, sns = boto3.client("sqs", **kw), boto3.client("sns", **kw)
+        queue = sqs.create_queue(QueueName="left-behind")["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])
+        topic = sns.create_topic(Name="left-behind")["TopicArn"]
+        sns.subscribe(TopicArn=topic, Protocol="sqs",
+                      Endpoint=arn["Attributes"]["QueueArn"])
+        pid = moto.pid()
+        moto.reset()
+        assert moto.pid() == pid
+        assert sqs.list_queues().get("QueueUrls", []) == []
+        assert sns.list_topics()["Topics"] == []
+        assert sns.list_subscriptions()["Subscriptions"] == []
+    with pytest.raises(bc.BrokerError, match="reset of moto"):
+        moto.reset(timeout=2)
+
+
 def test_private_moto_without_moto_fails_with_the_reason(tmp_path: Path) -> None:
     bare = tmp_path / "bare-python"
     bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages
