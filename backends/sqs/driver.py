@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import re
 import threading
 import zlib
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -29,15 +28,15 @@ from mqabstract.errors import (
     NotFound,
     PublishError,
 )
-from mqabstract.model import DeadLetter, Envelope, GroupSpec, GroupStats, utc
+from mqabstract.model import DeadLetter, Envelope, GroupSpec, GroupStats
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 from mqabstract.wire import EXPIRES_AT
 
+from . import deadletters
 from .calls import _MISSING_QUEUE, Calls, _code, _raise
 from .subscription import SQSSubscription, _Group
 from .wire import (
-    ATTR_TOPIC,
     BATCH,
     M_ATTEMPT,
     M_DEAD_AT,
@@ -50,7 +49,6 @@ from .wire import (
     MAX_WAIT,
     RETENTION,
     SNS_MAX_MESSAGE,
-    _decode_body,
     _dedup_id,
     _from_sqs,
     _queue_base,
@@ -62,8 +60,6 @@ from .wire import (
 )
 
 __all__ = ["SQSDriver"]
-
-log = logging.getLogger("mqabstract.sqs")
 
 
 #: Messages per driver publish call: split into SNS batches of 10 sent on parallel lanes.
@@ -493,110 +489,20 @@ class SQSDriver(Driver):
         )
 
     # -- dead letters -------------------------------------------------------------------------
-    def _scan(self, queue_url: str) -> list[dict[str, Any]]:
-        """Receive every message of a (dead-letter) queue, hidden for a minute."""
-        seen: dict[str, dict[str, Any]] = {}
-        long_polled = False
-        while True:
-            resp = self._calls.call(
-                "read dead letters", self._sqs.receive_message, QueueUrl=queue_url,
-                MaxNumberOfMessages=BATCH, WaitTimeSeconds=1 if long_polled else 0,
-                VisibilityTimeout=60, MessageAttributeNames=["All"],
-                MessageSystemAttributeNames=["SentTimestamp"],
-            )
-            batch = resp.get("Messages", [])
-            for m in batch:
-                seen[m["MessageId"]] = m
-            if batch:
-                continue
-            if long_polled:
-                return list(seen.values())
-            # Short polls sample a subset of SQS hosts; confirm the queue is empty.
-            attrs = self._calls.call("read queue attributes", self._sqs.get_queue_attributes,
-                                     QueueUrl=queue_url,
-                                     AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
-            if int(attrs.get("ApproximateNumberOfMessages", 0)) == 0:
-                return list(seen.values())
-            long_polled = True
-
-    def _scan_dead(self, g: _Group) -> list[dict[str, Any]]:
-        """The group's dead letters, one per message id (hidden for a minute, as ``_scan``).
-
-        A move to the dead-letter queue is a send there, then a delete from the group queue:
-        two calls that nothing makes atomic. A consumer killed between them leaves the
-        original behind; it comes back past ``max_attempts`` and is moved again, a second
-        entry for the id. So an id's first move (fewest attempts, then earliest) is its dead
-        letter; a later entry for it is redundant and deleted here (if that delete fails,
-        the next scan drops it again)."""
-        first: dict[str, dict[str, Any]] = {}
-        extra: list[dict[str, Any]] = []
-
-        def order(m: Mapping[str, Any]) -> tuple[int, float, int, str]:
-            w = _from_sqs(m)
-            sent = int((m.get("Attributes") or {}).get("SentTimestamp", 0))
-            dead_at = w.meta.get(M_DEAD_AT)
-            return (w.fields().attempt,
-                    float(dead_at) if isinstance(dead_at, (int, float)) else sent / 1000.0,
-                    sent, str(m["MessageId"]))
-
-        for m in sorted(self._scan(g.dlq_url), key=order):
-            mid = _from_sqs(m).fields().id or str(m["MessageId"])
-            if mid in first:
-                extra.append(m)
-            else:
-                first[mid] = m
-        if extra:
-            try:
-                self._calls.delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in extra])
-            except MQError as exc:
-                log.warning("sqs: group %r: %d repeated dead letters not deleted (%s); "
-                            "every listing leaves them out", g.name, len(extra), exc)
-        return list(first.values())
-
-    def _release(self, queue_url: str, messages: Iterable[Mapping[str, Any]]) -> None:
-        handles = [m["ReceiptHandle"] for m in messages]
-        for start in range(0, len(handles), BATCH):
-            chunk = handles[start : start + BATCH]
-            self._calls.call(
-                "release dead letters", self._sqs.change_message_visibility_batch,
-                QueueUrl=queue_url,
-                Entries=[{"Id": str(i), "ReceiptHandle": h, "VisibilityTimeout": 0}
-                         for i, h in enumerate(chunk)],
-            )
-
-    def _dead_letter_view(self, msg: Mapping[str, Any]) -> DeadLetter:
-        wire = _from_sqs(msg)
-        meta = wire.meta
-        fields = wire.fields()
-        sent = int((msg.get("Attributes") or {}).get("SentTimestamp", 0)) / 1000.0
-        published = fields.published_at
-        return DeadLetter(
-            id=fields.id or str(msg["MessageId"]),
-            topic=wire.attributes.get(ATTR_TOPIC, {}).get("StringValue", ""),
-            body=_decode_body(wire.body, meta.get("e")),
-            headers=wire.headers(),
-            key=fields.key,
-            priority=int(meta.get("p", 0)),
-            published_at=utc(published if published is not None else sent),
-            attempts=fields.attempt,
-            reason=str(meta.get(M_REASON, "")),
-            dead_lettered_at=utc(float(meta.get(M_DEAD_AT, sent))),
-        )
-
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         g = self._lookup(group)
-        messages = self._scan_dead(g)
+        messages = deadletters.scan_dead(self._calls, g)
         try:
-            views = sorted((self._dead_letter_view(m) for m in messages),
+            views = sorted((deadletters.view(m) for m in messages),
                            key=lambda d: (d.dead_lettered_at or d.published_at))
         finally:
-            self._release(g.dlq_url, messages)
+            deadletters.release(self._calls, g.dlq_url, messages)
         return views[:limit]
 
     def _select(self, group: str, ids: Collection[str] | None) -> tuple[_Group, list[Any],
                                                                          list[Any]]:
         g = self._lookup(group)
-        messages = self._scan_dead(g)
+        messages = deadletters.scan_dead(self._calls, g)
         chosen: list[Any] = []
         rest: list[Any] = []
         for m in messages:
@@ -616,7 +522,7 @@ class SQSDriver(Driver):
                 self._calls.send(g.queue_url, wire, 0, g.fifo)
             self._calls.delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
         finally:
-            self._release(g.dlq_url, rest)
+            deadletters.release(self._calls, g.dlq_url, rest)
         return len(chosen)
 
     def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
@@ -626,5 +532,5 @@ class SQSDriver(Driver):
         try:
             self._calls.delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
         finally:
-            self._release(g.dlq_url, rest)
+            deadletters.release(self._calls, g.dlq_url, rest)
         return len(chosen)
