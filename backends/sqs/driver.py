@@ -33,7 +33,7 @@ from mqabstract.errors import (
     Timeout,
 )
 from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.names import pattern_regex
+from mqabstract.names import topic_matches
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 from mqabstract.wire import EXPIRES_AT
@@ -569,9 +569,7 @@ class SQSDriver(Driver):
             wire = _from_sqs(msg)
             receipt = _Receipt(msg["ReceiptHandle"], group, before_wall, wire)
             topic = wire.attributes.get(ATTR_TOPIC, {}).get("StringValue")
-            if topic and not group.exact and not pattern_regex(group.pattern).fullmatch(
-                "." + topic
-            ):
+            if topic and not group.exact and not topic_matches(group.pattern, topic):
                 drop.append(msg["ReceiptHandle"])  # admitted by the filter policy superset only
                 continue
             fields = wire.fields()
