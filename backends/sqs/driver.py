@@ -26,6 +26,7 @@ from mqabstract.errors import (
     MessageTooLarge,
     MQError,
     NotFound,
+    NotSent,
     PublishError,
 )
 from mqabstract.model import DeadLetter, Envelope, GroupSpec, GroupStats
@@ -232,17 +233,15 @@ class SQSDriver(Driver):
             with ThreadPoolExecutor(len(work), thread_name_prefix="mqabstract-sqs") as pool:
                 outcomes = list(pool.map(
                     lambda chunks: self._publish_lane(envelopes, wires, chunks), work))
-        done = {i for ok, _ in outcomes for i in ok}
         failed = {i: err for _, bad in outcomes for i, err in bad.items()}
         if not failed:
             return
-        if not done:  # nothing was published: the first real failure says why
-            raise next(err for _, err in sorted(failed.items())
-                       if not str(err).startswith("not sent"))
-        raise PublishError(
-            f"sqs: {len(failed)} of {len(envelopes)} messages not confirmed by SNS",
-            published=[envelopes[i].id for i in sorted(done)], failed=failed,
-        )
+        error = PublishError.from_outcomes(
+            [env.id for env in envelopes], [failed.get(i) for i in range(len(envelopes))],
+            by="SNS")
+        if not error.published:  # nothing was published: the first real failure says why
+            raise error.cause or error
+        raise error
 
     def _publish_lane(self, envelopes: Sequence[Envelope], wires: Sequence[_Wire],
                       chunks: list[list[int]]) -> tuple[list[int], dict[int, MQError]]:
@@ -265,7 +264,7 @@ class SQSDriver(Driver):
                 }
                 confirmed.extend(i for i in chunk if i not in failed)
             if failed:
-                not_sent = MQError("not sent: an earlier message of its lane failed")
+                not_sent = NotSent("not sent: an earlier message of its lane failed")
                 failed.update({i: not_sent for later in chunks[k + 1:] for i in later})
                 return confirmed, failed
         return confirmed, {}

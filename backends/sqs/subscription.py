@@ -17,7 +17,7 @@ from mqabstract.driver import DriverSubscription
 from mqabstract.emulation import next_hop
 from mqabstract.errors import InvalidArgument, NotFound
 from mqabstract.model import Delivery, GroupSpec
-from mqabstract.names import pattern_regex
+from mqabstract.names import topic_matches
 
 from .calls import _MISSING_QUEUE, _STALE_CODES, Calls, _code, _raise
 from .wire import (
@@ -106,9 +106,7 @@ class SQSSubscription(DriverSubscription):
             wire = _from_sqs(msg)
             receipt = _Receipt(msg["ReceiptHandle"], group, before_wall, wire)
             topic = wire.attributes.get(ATTR_TOPIC, {}).get("StringValue")
-            if topic and not group.exact and not pattern_regex(group.pattern).fullmatch(
-                "." + topic
-            ):
+            if topic and not group.exact and not topic_matches(group.pattern, topic):
                 drop.append(msg["ReceiptHandle"])  # admitted by the filter policy superset only
                 continue
             fields = wire.fields()
