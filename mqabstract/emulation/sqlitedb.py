@@ -107,7 +107,7 @@ def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     inside the handler, and a transaction still open when a block starts — abandoned, as
     writes on one connection never nest — is rolled back first. An abandoned block is
     closed later by the garbage collector (``GeneratorExit``), maybe while a newer block's
-    transaction is open: that close touches nothing."""
+    transaction is open or after the connection was closed: that close touches nothing."""
     if conn.in_transaction:
         conn.execute("ROLLBACK")
     try:
@@ -115,7 +115,8 @@ def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         yield conn
         conn.execute("COMMIT")
     except BaseException as exc:
-        if conn.in_transaction and not isinstance(exc, GeneratorExit):
+        if not isinstance(exc, GeneratorExit):  # (the connection may be closed by then)
             with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
         raise

@@ -10,8 +10,9 @@ re-publish, before the copy is written (``FENCED`` is printed first): the window
 frozen between its fenced checkpoint commit and its write falls into. ``commit`` nacks
 too, and stops inside the re-publish transaction instead: its offsets sent, before its
 commit (a client-level patch of both clients' transaction commit). After the parent's
-SIGCONT it finishes what it was doing; ``nack`` prints ``NACKED`` or ``EXPIRED``; then it
-waits for a line on stdin and closes (it never receives again).
+SIGCONT it finishes what it was doing; ``nack`` prints ``NACKED`` or ``EXPIRED``; ``commit``
+then leaves the group (``CLOSED``: woken during the standby's takeover, it must not take the
+only slot back); then it waits for a line on stdin and closes (it never receives again).
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ def main(url: str, group: str, pattern: str, lease: float, mode: str) -> None:
                 out("EXPIRED", msg.id)
             else:
                 out("NACKED", msg.id)
+        if mode == "commit":
+            # Woken while the standby takes over, this process rejoins the group: with one
+            # retry partition (the only slot) the assignor could hand the slot back to it,
+            # and a member that never receives again would keep the copy from the standby
+            # for good (CI: "the message never came back" after NACKED). Done with its
+            # one message, it leaves the group, as a worker that stops would.
+            sub.close()
+            out("CLOSED")
         sys.stdin.readline()
         sub.close()
     out("DONE")
