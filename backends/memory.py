@@ -28,10 +28,9 @@ from mqabstract import wire
 from mqabstract.capabilities import Capabilities
 from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
-from mqabstract.emulation import replay_headers
+from mqabstract.emulation import Routes, replay_headers
 from mqabstract.errors import Closed, InvalidArgument, NotFound
 from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.names import pattern_regex
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL
 
@@ -69,7 +68,6 @@ class _DeadRecord:
 class _Group:
     def __init__(self, spec: GroupSpec, lock: threading.Lock) -> None:
         self.spec = spec
-        self.regex = pattern_regex(spec.pattern)
         self.cond = threading.Condition(lock)
         self.ready: list[deque[_Entry]] = [deque() for _ in range(_LEVELS)]
         self.ready_count = 0
@@ -90,7 +88,7 @@ class _Hub:
         self.clock = clock
         self.lock = threading.Lock()
         self.groups: dict[str, _Group] = {}
-        self.routes: dict[str, tuple[_Group, ...]] = {}
+        self.routes: Routes[_Group] = Routes()
         self.seq = itertools.count(1)
         clock.on_advance(self.wake_all)
 
@@ -175,14 +173,6 @@ class _Hub:
         if g.leases:
             times.append(g.leases[0][0])
         return min(times) if times else None
-
-    def routes_for(self, topic: str) -> tuple[_Group, ...]:
-        found = self.routes.get(topic)
-        if found is None:
-            dotted = "." + topic
-            found = tuple(g for g in self.groups.values() if g.regex.fullmatch(dotted))
-            self.routes[topic] = found
-        return found
 
 
 _hubs: dict[str, _Hub] = {}
@@ -363,8 +353,9 @@ class MemoryDriver(Driver):
             self._check()
             now = hub.clock.time()
             seq = hub.seq
+            groups_for = hub.routes.groups_for
             for env in envelopes:
-                for g in hub.routes_for(env.topic):
+                for g in groups_for(env.topic):
                     e = _Entry(env, next(seq))
                     if env.deliver_at is not None:
                         e.due = env.deliver_at
@@ -382,8 +373,9 @@ class MemoryDriver(Driver):
                     )
                 existing.spec = spec  # policy (lease, attempts) follows the latest declaration
                 return
-            hub.groups[spec.name] = _Group(spec, hub.lock)
-            hub.routes.clear()
+            g = _Group(spec, hub.lock)
+            hub.routes.add(g, spec.pattern)
+            hub.groups[spec.name] = g
 
     def subscribe(self, spec: GroupSpec) -> DriverSubscription:
         with self._hub.lock:
@@ -452,7 +444,7 @@ class MemoryDriver(Driver):
             if g is None:
                 raise NotFound(f"no group {group!r}")
             g.deleted = True
-            hub.routes.clear()
+            hub.routes.remove(g)
             g.cond.notify_all()
 
     def close(self) -> None:

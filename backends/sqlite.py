@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import sqlite3
 import threading
 import time
@@ -40,6 +39,7 @@ from mqabstract import wire
 from mqabstract.capabilities import Capabilities
 from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
+from mqabstract.emulation.routes import Routes
 from mqabstract.emulation.sqlitedb import immediate, open_wal, retry_busy
 from mqabstract.errors import (
     Closed,
@@ -49,7 +49,6 @@ from mqabstract.errors import (
     NotFound,
 )
 from mqabstract.model import Columns, DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.names import pattern_regex
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL
 
@@ -244,8 +243,7 @@ class SQLiteDriver(Driver):
         self._closed = False
         self._shared = _shared_for(str(path))
         self._groups_version = -1
-        self._patterns: dict[int, re.Pattern[str]] = {}
-        self._routes: dict[str, tuple[int, ...]] = {}
+        self._routes: Routes[int] = Routes()
         self._conn = self._connect()
         self.clock.on_advance(self._shared.wake)  # FakeClock.advance wakes every receiver
         # Connection.getlimit is Python 3.11+; 3.10 gets SQLite's compiled-in default.
@@ -336,23 +334,13 @@ class SQLiteDriver(Driver):
 
     # -- routing --------------------------------------------------------------------------
     def _route(self, conn: sqlite3.Connection, topic: str) -> tuple[int, ...]:
-        """Group ids whose pattern matches ``topic``; the cache follows the groups version."""
+        """Group ids whose pattern matches ``topic``. Any connection may declare or delete
+        groups: a changed groups version in the file reloads the set into ``Routes``."""
         version = conn.execute("SELECT value FROM mq_meta WHERE name = 'groups'").fetchone()[0]
         if version != self._groups_version:
-            self._patterns = {
-                gid: pattern_regex(pattern)
-                for gid, pattern in conn.execute("SELECT gid, pattern FROM mq_groups")
-            }
-            self._routes = {}
+            self._routes.replace(conn.execute("SELECT gid, pattern FROM mq_groups"))
             self._groups_version = version
-        gids = self._routes.get(topic)
-        if gids is None:
-            dotted = "." + topic
-            gids = tuple(g for g, rx in self._patterns.items() if rx.fullmatch(dotted))
-            if len(self._routes) > 10_000:
-                self._routes.clear()
-            self._routes[topic] = gids
-        return gids
+        return self._routes.groups_for(topic)
 
     def _bump_groups(self, conn: sqlite3.Connection) -> None:
         conn.execute("UPDATE mq_meta SET value = value + 1 WHERE name = 'groups'")

@@ -45,6 +45,7 @@ from .errors import (
     LeaseExpired,
     MessageTooLarge,
     MQError,
+    NotSent,
     PublishError,
     Unsupported,
     ValidationError,
@@ -1358,19 +1359,14 @@ class Broker:
                 err = self._translate(exc)
                 if start == 0 and not isinstance(err, PublishError):
                     raise err from exc
-                failed: dict[int, MQError] = {}
+                outcomes: list[MQError | None] = [None] * start  # earlier chunks: confirmed
                 if isinstance(err, PublishError):
-                    confirmed.extend(err.published)
-                    failed.update({start + i: e for i, e in err.failed.items()})
+                    outcomes += [err.failed.get(i) for i in range(stop - start)]
                 else:
-                    failed.update({i: err for i in range(start, stop)})
-                not_sent = MQError("not sent: an earlier part of the batch failed")
-                failed.update({i: not_sent for i in range(stop, total)})
-                raise PublishError(
-                    f"{len(failed)} of {total} messages not confirmed: {err}",
-                    published=confirmed,
-                    failed=failed,
-                ) from exc
+                    outcomes += [err] * (stop - start)
+                not_sent = NotSent("not sent: an earlier part of the batch failed")
+                outcomes += [not_sent] * (total - stop)
+                raise PublishError.from_outcomes(ids, outcomes) from exc
             confirmed.extend(ids[start:stop])
         return confirmed
 

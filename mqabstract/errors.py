@@ -7,6 +7,8 @@ contain secrets: drivers build them from the redacted URL.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 __all__ = [
     "AlreadySettled",
     "Closed",
@@ -22,6 +24,7 @@ __all__ = [
     "MiddlewareError",
     "MissingDependency",
     "NotFound",
+    "NotSent",
     "PublishError",
     "StoreError",
     "Timeout",
@@ -143,12 +146,18 @@ class InvalidPayload(DecodeError):
     """A received body decodes but does not validate as the subscription's ``model``."""
 
 
+class NotSent(MQError):
+    """A ``PublishError.failed`` entry: the message was never sent because an earlier one
+    it had to follow failed (a later chunk of the batch, a later request of its SQS lane).
+    """
+
+
 class PublishError(MQError):
     """Some messages of a batch were not confirmed by the broker.
 
     ``published`` holds the ids that the broker confirmed, ``failed`` maps batch index to
-    the error for each message that was not confirmed. Retrying the failed ones is safe:
-    ids are kept, so consumers can drop duplicates.
+    the error for each message that was not confirmed (a ``NotSent`` for those never sent).
+    Retrying the failed ones is safe: ids are kept, so consumers can drop duplicates.
     """
 
     retryable = True
@@ -157,3 +166,26 @@ class PublishError(MQError):
         super().__init__(message)
         self.published = published
         self.failed = failed
+
+    @property
+    def cause(self) -> MQError | None:
+        """The first failure by index that is not a ``NotSent``: why the batch broke."""
+        return _cause(self.failed)
+
+    @classmethod
+    def from_outcomes(cls, ids: Sequence[str], outcomes: Sequence[MQError | None], *,
+                      by: str = "") -> PublishError:
+        """The error for a batch whose message ``i`` (id ``ids[i]``) had ``outcomes[i]``:
+        None when the broker confirmed it, else why not (``NotSent`` when never sent).
+        The portable layer and every driver build it here, so the bookkeeping and the
+        wording ("N of M messages not confirmed[ by …]: cause") are the same everywhere."""
+        failed = {i: err for i, err in enumerate(outcomes) if err is not None}
+        published = [mid for mid, err in zip(ids, outcomes, strict=True) if err is None]
+        where = f" by {by}" if by else ""
+        return cls(f"{len(failed)} of {len(outcomes)} messages not confirmed{where}: "
+                   f"{_cause(failed)}", published=published, failed=failed)
+
+
+def _cause(failed: Mapping[int, MQError]) -> MQError | None:
+    errors = [failed[i] for i in sorted(failed)]
+    return next((e for e in errors if not isinstance(e, NotSent)), errors[0] if errors else None)

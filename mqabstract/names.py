@@ -7,6 +7,7 @@ backend, so swapping a URL never turns a working name into a late broker error.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import lru_cache
 
 from .errors import InvalidArgument, InvalidName
@@ -25,7 +26,7 @@ __all__ = [
     "check_pattern",
     "check_text_value",
     "check_topic",
-    "pattern_regex",
+    "topic_matcher",
     "topic_matches",
 ]
 
@@ -144,11 +145,14 @@ def check_id(message_id: object) -> str:
 
 
 @lru_cache(maxsize=1024)
-def pattern_regex(pattern: str) -> re.Pattern[str]:
-    """Compile an AMQP topic pattern to a regex matched against ``'.' + topic``.
+def topic_matcher(pattern: str) -> Callable[[str], bool]:
+    """The project's one in-process pattern matcher: a predicate true for the topics that
+    ``pattern`` matches (``*`` one word, ``#`` zero or more); ``InvalidName`` for a bad
+    pattern. Native broker filters (Kafka's topic regex, AMQP bindings, SNS policies) are
+    translations; whatever is matched in Python goes through here.
 
-    Prefixing the topic with a dot lets ``#`` absorb its own separators, so ``a.#``
-    matches ``a`` and ``#.b`` matches ``b``, as in AMQP.
+    The pattern compiles to a regex over ``'.' + topic``: the leading dot lets ``#`` absorb
+    its own separators, so ``a.#`` matches ``a`` and ``#.b`` matches ``b``, as in AMQP.
     """
     parts = []
     for word in check_pattern(pattern).split("."):
@@ -158,9 +162,14 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
             parts.append(r"(?:\.[^.]+)*")
         else:
             parts.append(r"\." + re.escape(word))
-    return re.compile("".join(parts))
+    fullmatch = re.compile("".join(parts)).fullmatch
+
+    def matches(topic: str) -> bool:
+        return fullmatch("." + topic) is not None
+
+    return matches
 
 
 def topic_matches(pattern: str, topic: str) -> bool:
     """True when ``topic`` matches the AMQP-style ``pattern``."""
-    return pattern_regex(pattern).fullmatch("." + topic) is not None
+    return topic_matcher(pattern)(topic)

@@ -12,6 +12,7 @@ from mqabstract.emulation import (
     LeaseTable,
     NativeFilter,
     Pattern,
+    Routes,
     Tiers,
     dead_headers,
     dead_letter_from,
@@ -137,6 +138,53 @@ def test_pattern_parts_and_validation() -> None:
     assert p.matches("orders.x.eu.paid") and not p.matches("orders.eu.paid")
     with pytest.raises(InvalidName):
         Pattern("a..b")
+
+
+# -- routes --------------------------------------------------------------------------------
+@pytest.mark.parametrize(("topic", "expected"), [
+    ("a.b", ("exact", "star", "tail", "all")),
+    ("a", ("tail", "all")),  # '#' matches zero words; '*' needs exactly one
+    ("a.b.c", ("tail", "all", "mid")),
+    ("a.x.y.c", ("tail", "all", "mid")),
+    ("a.c", ("star", "tail", "all", "mid")),
+    ("b.a", ("all",)),
+    ("ab", ("all",)),  # words match whole, never as a prefix
+])
+def test_routes_follow_the_pattern_rules_in_add_order(
+        topic: str, expected: tuple[str, ...]) -> None:
+    routes: Routes[str] = Routes()
+    for group, pattern in [("exact", "a.b"), ("star", "a.*"), ("tail", "a.#"),
+                           ("all", "#"), ("mid", "a.#.c")]:
+        routes.add(group, pattern)
+    assert routes.groups_for(topic) == expected
+
+
+def test_routes_cache_is_dropped_when_the_group_set_changes() -> None:
+    routes: Routes[int] = Routes()
+    routes.add(1, "orders.#")
+    first = routes.groups_for("orders.eu")
+    assert first == (1,) and routes.groups_for("orders.eu") is first  # cached
+    routes.add(2, "*.eu")
+    assert routes.groups_for("orders.eu") == (1, 2)
+    routes.add(1, "orders.us")  # a known id takes its new pattern
+    assert routes.groups_for("orders.eu") == (2,)
+    routes.remove(2)
+    assert routes.groups_for("orders.eu") == () and len(routes) == 1
+    routes.remove(99)  # unknown: nothing happens
+    routes.replace([(3, "#"), (4, "orders.eu")])
+    assert routes.groups_for("orders.eu") == (3, 4) and routes.groups_for("orders.us") == (3,)
+    with pytest.raises(InvalidName):
+        routes.add(5, "orders..eu")
+    assert len(routes) == 2
+
+
+def test_routes_cache_is_bounded() -> None:
+    routes: Routes[str] = Routes(max_topics=2)
+    routes.add("g", "t.*")
+    for i in range(5):
+        assert routes.groups_for(f"t.{i}") == ("g",)
+        assert len(routes._cache) <= 2
+    assert routes.groups_for("u.1") == ()
 
 
 # -- names ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import mqabstract
 from mqabstract import Backoff, FakeClock, Feature, OutgoingMessage, Support
 from mqabstract.backends.memory import MemoryDriver
-from mqabstract.errors import ConnectionFailed, PublishError
+from mqabstract.errors import ConnectionFailed, NotSent, PublishError
 from mqabstract.model import Envelope
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL
@@ -422,6 +422,39 @@ def test_batch_chunks_and_partial_failure() -> None:
         err = info.value
         assert len(err.published) == 4 and sorted(err.failed) == list(range(4, 10))
         assert err.retryable and isinstance(err.failed[4], ConnectionFailed)
+        got = sub.receive(100, 0)
+        assert sorted(m.id for m in got) == sorted(err.published)
+
+
+class _Partial(MemoryDriver):
+    """Confirms every other message of its second call (a driver's own PublishError)."""
+
+    name = "partial"
+    CAPABILITIES = _Flaky.CAPABILITIES
+    capabilities = _Flaky.capabilities
+    calls = 0
+
+    def publish(self, envelopes: Sequence[Envelope]) -> None:
+        type(self).calls += 1
+        if type(self).calls != 2:
+            return super().publish(envelopes)
+        super().publish(envelopes[::2])
+        raise PublishError.from_outcomes(
+            [e.id for e in envelopes],
+            [None if i % 2 == 0 else ConnectionFailed(f"lost {i}") for i in range(len(envelopes))])
+
+
+def test_a_driver_partial_failure_is_merged_into_the_batch() -> None:
+    mqabstract.register("partial", _Partial)
+    _Partial.calls = 0
+    with mqabstract.connect(f"partial://{uuid.uuid4().hex}") as mq:
+        sub = mq.subscribe("g", "#")
+        with pytest.raises(PublishError) as info:
+            mq.publish_batch([OutgoingMessage("t", f"{i}") for i in range(10)])
+        err = info.value
+        assert sorted(err.failed) == [5, 7, 8, 9] and len(err.published) == 6
+        assert str(err.failed[5]) == "lost 1" and isinstance(err.failed[8], NotSent)
+        assert str(err) == "4 of 10 messages not confirmed: lost 1"
         got = sub.receive(100, 0)
         assert sorted(m.id for m in got) == sorted(err.published)
 

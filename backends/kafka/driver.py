@@ -594,17 +594,14 @@ class KafkaDriver(Driver):
         self._confirmed(results, ids)
 
     def _confirmed(self, results: Sequence[ClientError | None], ids: Sequence[str]) -> None:
-        """Raise for the records ``results`` says were not acknowledged (``PublishError``
-        naming the confirmed ``ids`` when some were)."""
+        """Raise for the records ``results`` says were not acknowledged: one record's own
+        error, or a ``PublishError`` naming the confirmed ``ids`` (given for batches)."""
         if not any(results):  # all acknowledged (the common case: no per-record work)
             return
         failed: dict[int, MQError] = {}
-        done: list[str] = []
         fatal: ClientError | None = None
         for i, err in enumerate(results):
             if err is None:
-                if ids:
-                    done.append(ids[i])
                 continue
             failed[i] = native(err, "publish failed", self.url)
             fatal = fatal or err
@@ -613,9 +610,7 @@ class KafkaDriver(Driver):
         if failed:
             if len(results) == 1:
                 raise failed[0]
-            first = next(iter(failed.values()))
-            raise PublishError(f"{len(failed)} of {len(results)} not confirmed: {first}",
-                               published=done, failed=failed)
+            raise PublishError.from_outcomes(ids, [failed.get(i) for i in range(len(results))])
 
     def send_one(self, record: Outgoing) -> None:
         """Write one record and wait for its ack (one record per batch, see ``_read_all``)."""

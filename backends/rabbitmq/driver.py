@@ -408,11 +408,9 @@ class RabbitMQDriver(Driver):
                     f"{self._publish_timeout:g}s ({why})")
         if len(envelopes) == 1:
             raise failed[0]
-        raise PublishError(
-            f"{len(failed)} of {len(envelopes)} messages not confirmed by {self._where}",
-            published=[envelopes[i].id for i in sorted(acked)],
-            failed=failed,
-        )
+        raise PublishError.from_outcomes(
+            [env.id for env in envelopes], [failed.get(i) for i in range(len(envelopes))],
+            by=self._where)
 
     # -- groups ----------------------------------------------------------------------------
     def declare(self, spec: GroupSpec) -> None:

@@ -1,17 +1,15 @@
-"""The SQS driver: queues, SNS fan-out, receive/settle, dead letters (see the package doc)."""
+"""The SQS driver: queues, SNS fan-out, publishing, groups, stats and the dead-letter API
+(see the package doc); a group's consumer side is ``subscription``."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import re
 import threading
-import time
-import uuid
 import zlib
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -19,44 +17,39 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from mqabstract import wire as wire_schema
 from mqabstract.capabilities import Capabilities, Feature, Support
 from mqabstract.driver import Driver, DriverSubscription
-from mqabstract.emulation import Pattern, next_hop
+from mqabstract.emulation import Pattern
 from mqabstract.errors import (
     ConnectionFailed,
     InvalidArgument,
     MessageTooLarge,
     MQError,
     NotFound,
+    NotSent,
     PublishError,
-    Timeout,
 )
-from mqabstract.model import DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.names import pattern_regex
+from mqabstract.model import DeadLetter, Envelope, GroupSpec, GroupStats
 from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 from mqabstract.wire import EXPIRES_AT
 
-from .subscription import SQSSubscription, _Group, _Receipt
+from . import deadletters
+from .calls import _MISSING_QUEUE, Calls, _code, _raise
+from .subscription import SQSSubscription, _Group
 from .wire import (
-    ATTR_TOPIC,
     BATCH,
     M_ATTEMPT,
     M_DEAD_AT,
     M_DUE,
-    M_ID,
-    M_PUBLISHED,
     M_REASON,
     MAX_BODY,
     MAX_DELAY,
-    MAX_DELAY_SECONDS,
     MAX_HEADER_BYTES,
     MAX_VISIBILITY,
     MAX_WAIT,
     RETENTION,
     SNS_MAX_MESSAGE,
-    _decode_body,
     _dedup_id,
     _from_sqs,
     _queue_base,
@@ -69,29 +62,9 @@ from .wire import (
 
 __all__ = ["SQSDriver"]
 
-log = logging.getLogger("mqabstract.sqs")
-
-_CONNECT_ERRORS = (
-    botocore.exceptions.EndpointConnectionError,
-    botocore.exceptions.ConnectionClosedError,
-    botocore.exceptions.ConnectTimeoutError,
-    botocore.exceptions.ProxyConnectionError,
-)
-_STALE_CODES = {
-    "ReceiptHandleIsInvalid",
-    "InvalidReceiptHandle",
-    "MessageNotInflight",
-    "AWS.SimpleQueueService.MessageNotInflight",
-    "AWS.SimpleQueueService.ReceiptHandleIsInvalid",
-}
-_MISSING_QUEUE = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"}
-
 
 #: Messages per driver publish call: split into SNS batches of 10 sent on parallel lanes.
 PUBLISH_MAX = 100
-
-def _code(exc: botocore.exceptions.ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 class SQSDriver(Driver):
@@ -167,6 +140,7 @@ class SQSDriver(Driver):
         self._opts = opts
         self._sqs = sqs
         self._sns = sns
+        self._calls = Calls(url, sqs, sns)
         self._prefix: str = opts["prefix"]
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
@@ -203,7 +177,7 @@ class SQSDriver(Driver):
             raise ConnectionFailed(f"sqs: cannot set up clients for {url.redacted()}: "
                                    f"{redact(str(exc))}") from exc
         driver = cls(url, opts, sqs, sns)
-        driver._topic_arn = driver._call(
+        driver._topic_arn = driver._calls.call(
             "create the SNS topic", sns.create_topic, **driver._topic_request()
         )["TopicArn"]
         return driver
@@ -227,42 +201,6 @@ class SQSDriver(Driver):
             with contextlib.suppress(Exception):
                 client.close()
 
-    # -- error translation --------------------------------------------------------------------
-    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(**kwargs)
-        except botocore.exceptions.ClientError as exc:
-            raise self._client_error(what, exc) from exc
-        except botocore.exceptions.ReadTimeoutError as exc:
-            raise Timeout(f"sqs: {what}: {self._url.redacted()} did not answer in time") from exc
-        except _CONNECT_ERRORS as exc:
-            raise ConnectionFailed(
-                f"sqs: {what}: cannot reach {self._url.redacted()}: {type(exc).__name__}"
-            ) from exc
-        except botocore.exceptions.NoCredentialsError as exc:
-            raise ConnectionFailed(
-                f"sqs: {what}: no AWS credentials found for {self._url.redacted()} "
-                "(environment, shared config, or instance role)"
-            ) from exc
-        except botocore.exceptions.BotoCoreError as exc:
-            raise ConnectionFailed(
-                f"sqs: {what} at {self._url.redacted()}: {redact(str(exc))}"
-            ) from exc
-
-    def _client_error(self, what: str, exc: botocore.exceptions.ClientError) -> MQError:
-        code = _code(exc)
-        text = redact(str(exc.response.get("Error", {}).get("Message", "")))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        message = f"sqs: {what} at {self._url.redacted()} failed: {code}: {text}"
-        if code in _MISSING_QUEUE or code == "NotFound":
-            return NotFound(message)
-        if code in ("InvalidClientTokenId", "SignatureDoesNotMatch", "AccessDenied",
-                    "UnrecognizedClientException", "AuthorizationError"):
-            return ConnectionFailed(message)
-        err = MQError(message)
-        err.retryable = status >= 500 or "Throttl" in code or code == "RequestThrottled"
-        return err
-
     # -- publishing ---------------------------------------------------------------------------
     def publish(self, envelopes: Sequence[Envelope]) -> None:
         wires = []
@@ -276,7 +214,7 @@ class SQSDriver(Driver):
             wires.append(wire)
         if len(envelopes) == 1:
             env, wire = envelopes[0], wires[0]
-            self._call(
+            self._calls.call(
                 "publish", self._sns.publish, TopicArn=self._topic_arn, Message=wire.body,
                 MessageAttributes=wire.sns_attributes(), MessageGroupId=wire.group_id,
                 MessageDeduplicationId=_dedup_id(env.topic, env.id),
@@ -295,17 +233,15 @@ class SQSDriver(Driver):
             with ThreadPoolExecutor(len(work), thread_name_prefix="mqabstract-sqs") as pool:
                 outcomes = list(pool.map(
                     lambda chunks: self._publish_lane(envelopes, wires, chunks), work))
-        done = {i for ok, _ in outcomes for i in ok}
         failed = {i: err for _, bad in outcomes for i, err in bad.items()}
         if not failed:
             return
-        if not done:  # nothing was published: the first real failure says why
-            raise next(err for _, err in sorted(failed.items())
-                       if not str(err).startswith("not sent"))
-        raise PublishError(
-            f"sqs: {len(failed)} of {len(envelopes)} messages not confirmed by SNS",
-            published=[envelopes[i].id for i in sorted(done)], failed=failed,
-        )
+        error = PublishError.from_outcomes(
+            [env.id for env in envelopes], [failed.get(i) for i in range(len(envelopes))],
+            by="SNS")
+        if not error.published:  # nothing was published: the first real failure says why
+            raise error.cause or error
+        raise error
 
     def _publish_lane(self, envelopes: Sequence[Envelope], wires: Sequence[_Wire],
                       chunks: list[list[int]]) -> tuple[list[int], dict[int, MQError]]:
@@ -315,7 +251,7 @@ class SQSDriver(Driver):
         for k, chunk in enumerate(chunks):
             entries = [_sns_entry(wires[i], i, envelopes[i]) for i in chunk]
             try:
-                result = self._call(
+                result = self._calls.call(
                     "publish a batch", self._sns.publish_batch, TopicArn=self._topic_arn,
                     PublishBatchRequestEntries=entries,
                 )
@@ -328,7 +264,7 @@ class SQSDriver(Driver):
                 }
                 confirmed.extend(i for i in chunk if i not in failed)
             if failed:
-                not_sent = MQError("not sent: an earlier message of its lane failed")
+                not_sent = NotSent("not sent: an earlier message of its lane failed")
                 failed.update({i: not_sent for later in chunks[k + 1:] for i in later})
                 return confirmed, failed
         return confirmed, {}
@@ -367,11 +303,12 @@ class SQSDriver(Driver):
                        ["QueueUrl"])
         except botocore.exceptions.ClientError as exc:
             if _code(exc) not in ("QueueAlreadyExists", "QueueNameExists"):
-                raise self._client_error(f"create queue {name}", exc) from exc
+                raise self._calls.client_error(f"create queue {name}", exc) from exc
         except Exception as exc:
-            self._call("create queue", _raise, exc=exc)
+            self._calls.call("create queue", _raise, exc=exc)
         # Exists with other attributes (a redeclare with another lease): reuse it.
-        return str(self._call("find queue", self._sqs.get_queue_url, QueueName=name)["QueueUrl"])
+        return str(self._calls.call("find queue", self._sqs.get_queue_url,
+                                    QueueName=name)["QueueUrl"])
 
     def declare(self, spec: GroupSpec) -> None:
         # Always make sure topic, queues and subscription exist (all idempotent in SQS/SNS):
@@ -385,7 +322,7 @@ class SQSDriver(Driver):
                 and known.fifo == spec.ordered):
             return known
         if force:
-            self._topic_arn = self._call(
+            self._topic_arn = self._calls.call(
                 "create the SNS topic", self._sns.create_topic, **self._topic_request()
             )["TopicArn"]
         base, fifo_name, dlq_name = self._names(spec.name)
@@ -393,10 +330,11 @@ class SQSDriver(Driver):
         dlq_url = self._create_queue(dlq_name, False, 30, tags)
         main_name = fifo_name if spec.ordered else base
         queue_url = self._create_queue(main_name, spec.ordered, spec.lease, tags)
-        arn = self._call("read queue attributes", self._sqs.get_queue_attributes,
-                         QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-        self._call("allow SNS to deliver", self._sqs.set_queue_attributes, QueueUrl=queue_url,
-                   Attributes={"Policy": self._queue_policy(arn)})
+        arn = self._calls.call("read queue attributes", self._sqs.get_queue_attributes,
+                               QueueUrl=queue_url, AttributeNames=["QueueArn"]
+                               )["Attributes"]["QueueArn"]
+        self._calls.call("allow SNS to deliver", self._sqs.set_queue_attributes,
+                         QueueUrl=queue_url, Attributes={"Policy": self._queue_policy(arn)})
         group = _Group(spec.name, spec.pattern, queue_url, arn, dlq_url, spec.ordered,
                        exact=Pattern(spec.pattern).native_filter().complete)
         group.subscription_arn = self._subscribe(group)
@@ -416,16 +354,16 @@ class SQSDriver(Driver):
             return str(resp["SubscriptionArn"])
         except botocore.exceptions.ClientError as exc:
             if _code(exc) != "InvalidParameter":
-                raise self._client_error("subscribe the group queue", exc) from exc
+                raise self._calls.client_error("subscribe the group queue", exc) from exc
         except Exception as exc:
-            self._call("subscribe", _raise, exc=exc)
+            self._calls.call("subscribe", _raise, exc=exc)
         # Already subscribed with another filter policy (the pattern changed): update it.
         sub_arn = self._find_subscription(group.queue_arn)
         if sub_arn is None:
             raise MQError(f"sqs: cannot subscribe group {group.name!r} to the SNS topic")
-        self._call("update the filter policy", self._sns.set_subscription_attributes,
-                   SubscriptionArn=sub_arn, AttributeName="FilterPolicy",
-                   AttributeValue=attrs.get("FilterPolicy", "{}"))
+        self._calls.call("update the filter policy", self._sns.set_subscription_attributes,
+                         SubscriptionArn=sub_arn, AttributeName="FilterPolicy",
+                         AttributeValue=attrs.get("FilterPolicy", "{}"))
         return sub_arn
 
     def _find_subscription(self, queue_arn: str) -> str | None:
@@ -434,8 +372,8 @@ class SQSDriver(Driver):
             kwargs: dict[str, Any] = {"TopicArn": self._topic_arn}
             if token:
                 kwargs["NextToken"] = token
-            resp = self._call("list subscriptions", self._sns.list_subscriptions_by_topic,
-                              **kwargs)
+            resp = self._calls.call("list subscriptions", self._sns.list_subscriptions_by_topic,
+                                    **kwargs)
             for sub in resp.get("Subscriptions", []):
                 if sub.get("Endpoint") == queue_arn:
                     return str(sub["SubscriptionArn"])
@@ -444,7 +382,7 @@ class SQSDriver(Driver):
                 return None
 
     def subscribe(self, spec: GroupSpec) -> DriverSubscription:
-        return SQSSubscription(self, self._declare(spec), spec)
+        return SQSSubscription(self._calls, self._declare(spec), spec)
 
     def _queue_url(self, name: str) -> str | None:
         try:
@@ -452,9 +390,9 @@ class SQSDriver(Driver):
         except botocore.exceptions.ClientError as exc:
             if _code(exc) in _MISSING_QUEUE:
                 return None
-            raise self._client_error(f"find queue {name}", exc) from exc
+            raise self._calls.client_error(f"find queue {name}", exc) from exc
         except Exception as exc:
-            self._call("find queue", _raise, exc=exc)
+            self._calls.call("find queue", _raise, exc=exc)
         return None
 
     def _lookup(self, group: str) -> _Group:
@@ -481,9 +419,9 @@ class SQSDriver(Driver):
         urls: list[str] = []
         token: str | None = None
         while True:
-            page = self._call("list queues", self._sqs.list_queues,
-                              QueueNamePrefix=self._prefix, MaxResults=1000,
-                              **({"NextToken": token} if token else {}))
+            page = self._calls.call("list queues", self._sqs.list_queues,
+                                    QueueNamePrefix=self._prefix, MaxResults=1000,
+                                    **({"NextToken": token} if token else {}))
             urls += [u for u in page.get("QueueUrls", []) if u.endswith("-dlq")]
             token = page.get("NextToken")
             if not token:
@@ -491,8 +429,8 @@ class SQSDriver(Driver):
         out = []
         for url in urls:
             try:
-                tags = self._call("read queue tags", self._sqs.list_queue_tags,
-                                  QueueUrl=url).get("Tags", {})
+                tags = self._calls.call("read queue tags", self._sqs.list_queue_tags,
+                                        QueueUrl=url).get("Tags", {})
             except NotFound:  # deleted meanwhile
                 continue
             group = tags.get("mqabstract:group")
@@ -512,9 +450,9 @@ class SQSDriver(Driver):
             if url is None:
                 continue
             if sub_arn is None:
-                arn = self._call("read queue attributes", self._sqs.get_queue_attributes,
-                                 QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
-                                     "QueueArn"]
+                arn = self._calls.call("read queue attributes", self._sqs.get_queue_attributes,
+                                       QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
+                                           "QueueArn"]
                 found = self._find_subscription(arn)
             else:
                 found = sub_arn
@@ -527,20 +465,20 @@ class SQSDriver(Driver):
 
     def _ignore_missing(self, fn: Any, **kwargs: Any) -> None:
         with contextlib.suppress(NotFound):
-            self._call("delete", fn, **kwargs)
+            self._calls.call("delete", fn, **kwargs)
 
     def ping(self) -> None:
         """A queue listing with a prefix no queue has: one request, nothing made."""
-        self._call("ping", self._sqs.list_queues, QueueNamePrefix="mqabstract-ping-none")
+        self._calls.call("ping", self._sqs.list_queues, QueueNamePrefix="mqabstract-ping-none")
 
     def stats(self, group: str) -> GroupStats:
         g = self._lookup(group)
         names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
                  "ApproximateNumberOfMessagesDelayed"]
-        main = self._call("read queue attributes", self._sqs.get_queue_attributes,
-                          QueueUrl=g.queue_url, AttributeNames=names)["Attributes"]
-        dead = self._call("read queue attributes", self._sqs.get_queue_attributes,
-                          QueueUrl=g.dlq_url, AttributeNames=names)["Attributes"]
+        main = self._calls.call("read queue attributes", self._sqs.get_queue_attributes,
+                                QueueUrl=g.queue_url, AttributeNames=names)["Attributes"]
+        dead = self._calls.call("read queue attributes", self._sqs.get_queue_attributes,
+                                QueueUrl=g.dlq_url, AttributeNames=names)["Attributes"]
         return GroupStats(
             group,
             int(main.get(names[0], 0)),
@@ -549,279 +487,21 @@ class SQSDriver(Driver):
             sum(int(dead.get(n, 0)) for n in names),
         )
 
-    # -- receiving ----------------------------------------------------------------------------
-    def _receive(self, group: _Group, want: int, wait: int, lease: int) -> list[Delivery]:
-        before_wall = time.time()
-        resp = self._call(
-            "receive", self._sqs.receive_message, QueueUrl=group.queue_url,
-            MaxNumberOfMessages=want, WaitTimeSeconds=wait, VisibilityTimeout=lease,
-            MessageAttributeNames=["All"],
-            MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp",
-                                         "ApproximateFirstReceiveTimestamp", "MessageGroupId"],
-        )
-        # A long poll leases the message when it answers: the broker's deadline is never
-        # earlier than the portable layer's (taken before this call), which alone decides
-        # whether a settle is stale.
-        out: list[Delivery] = []
-        drop: list[str] = []
-        now = time.time()
-        for msg in resp.get("Messages", []):
-            wire = _from_sqs(msg)
-            receipt = _Receipt(msg["ReceiptHandle"], group, before_wall, wire)
-            topic = wire.attributes.get(ATTR_TOPIC, {}).get("StringValue")
-            if topic and not group.exact and not pattern_regex(group.pattern).fullmatch(
-                "." + topic
-            ):
-                drop.append(msg["ReceiptHandle"])  # admitted by the filter policy superset only
-                continue
-            fields = wire.fields()
-            due = fields.deliver_at
-            if due is not None and due > now:
-                self._defer(receipt, due - now)
-                continue
-            delivery = self._delivery(msg, wire, fields, group, topic, receipt)
-            receipt.delivery = delivery
-            receipt.attempt = delivery.attempt
-            out.append(delivery)
-        if drop:
-            self._delete_handles(group.queue_url, drop)
-        return out
-
-    def _delivery(self, msg: Mapping[str, Any], wire: _Wire, fields: wire_schema.Fields,
-                  group: _Group, topic: str | None, receipt: _Receipt) -> Delivery:
-        meta = wire.meta
-        sysattrs = msg.get("Attributes") or {}
-        count = int(sysattrs.get("ApproximateReceiveCount", 1))
-        attempt = count + fields.attempt
-        due = fields.deliver_at
-        first = sysattrs.get("ApproximateFirstReceiveTimestamp")
-        if group.fifo and due is not None and first:
-            # FIFO delay hops were receives too: one per started 12 h before the due time.
-            ahead = due - int(first) / 1000.0
-            if ahead > 0:
-                attempt -= math.ceil(ahead / (MAX_VISIBILITY - 60))
-        key = fields.key
-        if key is None and not meta and group.fifo:
-            key = sysattrs.get("MessageGroupId")
-        published = fields.published_at
-        if published is None:
-            published = int(sysattrs.get("SentTimestamp", time.time() * 1000)) / 1000.0
-        return Delivery(
-            id=fields.id or str(msg.get("MessageId")),
-            topic=topic or group.name,
-            body=_decode_body(wire.body, meta.get("e")),
-            headers=wire.headers(),
-            key=key,
-            priority=int(meta.get("p", 0)),
-            attempt=max(1, attempt),
-            published_at=published,
-            receipt=receipt,
-        )
-
-    def _defer(self, receipt: _Receipt, remaining: float) -> None:
-        """Hide a message that is not due yet without counting the hop as a delivery."""
-        group = receipt.group
-        if group.fifo:
-            # FIFO queues have no per-message delay; hiding it keeps its key's order too.
-            seconds = min(math.ceil(remaining), MAX_VISIBILITY - 60)
-            self._change_visibility(receipt, seconds)
-            return
-        wire = receipt.wire
-        self._send(group.queue_url, wire, next_hop(remaining, MAX_DELAY_SECONDS), False)
-        self._delete_handles(group.queue_url, [receipt.handle])
-
-    def _send(self, queue_url: str, wire: _Wire, delay: int, fifo: bool) -> None:
-        kwargs: dict[str, Any] = {
-            "QueueUrl": queue_url, "MessageBody": wire.body,
-            "MessageAttributes": wire.attributes,
-        }
-        if fifo:
-            kwargs["MessageGroupId"] = wire.group_id
-            kwargs["MessageDeduplicationId"] = uuid.uuid4().hex  # a deliberate new copy
-        elif delay > 0:
-            kwargs["DelaySeconds"] = delay
-        self._call("send", self._sqs.send_message, **kwargs)
-
-    # -- settling -----------------------------------------------------------------------------
-    def _delete_handles(self, queue_url: str, handles: Sequence[str]) -> None:
-        for start in range(0, len(handles), BATCH):
-            chunk = handles[start : start + BATCH]
-            resp = self._call(
-                "delete", self._sqs.delete_message_batch, QueueUrl=queue_url,
-                Entries=[{"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(chunk)],
-            )
-            bad = [f for f in resp.get("Failed", []) if f.get("Code") not in _STALE_CODES]
-            if bad:
-                raise MQError(f"sqs: {len(bad)} deletes failed: {bad[0].get('Code')}: "
-                              f"{bad[0].get('Message', '')}")
-
-    def _ack(self, receipts: list[_Receipt]) -> None:
-        by_queue: dict[str, list[str]] = {}
-        for r in receipts:
-            by_queue.setdefault(r.group.queue_url, []).append(r.handle)
-        for url, handles in by_queue.items():
-            with contextlib.suppress(NotFound):  # the group was deleted meanwhile
-                self._delete_handles(url, handles)
-
-    def _change_visibility(self, receipt: _Receipt, seconds: int) -> bool:
-        """ChangeMessageVisibility; False when the receipt turned out stale."""
-        try:
-            self._sqs.change_message_visibility(
-                QueueUrl=receipt.group.queue_url, ReceiptHandle=receipt.handle,
-                VisibilityTimeout=int(seconds),
-            )
-        except botocore.exceptions.ClientError as exc:
-            code = _code(exc)
-            if code in _STALE_CODES or code in _MISSING_QUEUE:
-                return False
-            raise self._client_error("change visibility", exc) from exc
-        except Exception as exc:
-            self._call("change visibility", _raise, exc=exc)
-        return True
-
-    def _left_in_flight(self, receipt: _Receipt) -> float:
-        """Seconds this receipt may still stay hidden (SQS: 12 h from the receive)."""
-        return MAX_VISIBILITY - 5 - (time.time() - receipt.received_at)
-
-    def _nack(self, receipt: _Receipt, delay: float) -> None:
-        seconds = math.ceil(delay)
-        if seconds <= self._left_in_flight(receipt):
-            self._change_visibility(receipt, seconds)
-            return
-        # Longer than SQS lets a message stay hidden: send a copy that remembers its attempts
-        # and becomes due later, then drop this one.
-        wire = receipt.wire.with_meta(**wire_schema.pack(
-            wire_schema.retry_fields(receipt.attempt, time.time() + delay)))
-        self._send(receipt.group.queue_url, wire, min(MAX_DELAY_SECONDS, seconds),
-                   receipt.group.fifo)
-        self._delete_handles(receipt.group.queue_url, [receipt.handle])
-
-    def _extend(self, receipt: _Receipt, seconds: float) -> None:
-        whole = math.ceil(seconds)
-        if whole > self._left_in_flight(receipt):
-            raise InvalidArgument(
-                "sqs: a message can stay leased at most 12 h after it was received "
-                f"({max(0, int(self._left_in_flight(receipt)))} s left)"
-            )
-        self._change_visibility(receipt, whole)
-
-    def _dead_letter(self, receipt: _Receipt, reason: str, attempts: int) -> None:
-        d = receipt.delivery
-        wire = receipt.wire
-        if d is not None and not wire.meta:  # a foreign message: give it our metadata
-            meta = {"v": 1, M_ID: d.id, M_PUBLISHED: d.published_at}
-            wire = _Wire(wire.body, dict(wire.attributes), meta, wire.group_id).with_meta()
-            wire.attributes.setdefault(ATTR_TOPIC, {"DataType": "String", "StringValue": d.topic})
-        wire = wire.with_meta(**{M_REASON: reason, M_ATTEMPT: int(attempts),
-                                 M_DEAD_AT: time.time(), M_DUE: None})
-        self._send(receipt.group.dlq_url, wire, 0, False)
-        self._delete_handles(receipt.group.queue_url, [receipt.handle])
-
     # -- dead letters -------------------------------------------------------------------------
-    def _scan(self, queue_url: str) -> list[dict[str, Any]]:
-        """Receive every message of a (dead-letter) queue, hidden for a minute."""
-        seen: dict[str, dict[str, Any]] = {}
-        long_polled = False
-        while True:
-            resp = self._call(
-                "read dead letters", self._sqs.receive_message, QueueUrl=queue_url,
-                MaxNumberOfMessages=BATCH, WaitTimeSeconds=1 if long_polled else 0,
-                VisibilityTimeout=60, MessageAttributeNames=["All"],
-                MessageSystemAttributeNames=["SentTimestamp"],
-            )
-            batch = resp.get("Messages", [])
-            for m in batch:
-                seen[m["MessageId"]] = m
-            if batch:
-                continue
-            if long_polled:
-                return list(seen.values())
-            # Short polls sample a subset of SQS hosts; confirm the queue is empty.
-            attrs = self._call("read queue attributes", self._sqs.get_queue_attributes,
-                               QueueUrl=queue_url,
-                               AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
-            if int(attrs.get("ApproximateNumberOfMessages", 0)) == 0:
-                return list(seen.values())
-            long_polled = True
-
-    def _scan_dead(self, g: _Group) -> list[dict[str, Any]]:
-        """The group's dead letters, one per message id (hidden for a minute, as ``_scan``).
-
-        A move to the dead-letter queue is a send there, then a delete from the group queue:
-        two calls that nothing makes atomic. A consumer killed between them leaves the
-        original behind; it comes back past ``max_attempts`` and is moved again, a second
-        entry for the id. So an id's first move (fewest attempts, then earliest) is its dead
-        letter; a later entry for it is redundant and deleted here (if that delete fails,
-        the next scan drops it again)."""
-        first: dict[str, dict[str, Any]] = {}
-        extra: list[dict[str, Any]] = []
-
-        def order(m: Mapping[str, Any]) -> tuple[int, float, int, str]:
-            w = _from_sqs(m)
-            sent = int((m.get("Attributes") or {}).get("SentTimestamp", 0))
-            dead_at = w.meta.get(M_DEAD_AT)
-            return (w.fields().attempt,
-                    float(dead_at) if isinstance(dead_at, (int, float)) else sent / 1000.0,
-                    sent, str(m["MessageId"]))
-
-        for m in sorted(self._scan(g.dlq_url), key=order):
-            mid = _from_sqs(m).fields().id or str(m["MessageId"])
-            if mid in first:
-                extra.append(m)
-            else:
-                first[mid] = m
-        if extra:
-            try:
-                self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in extra])
-            except MQError as exc:
-                log.warning("sqs: group %r: %d repeated dead letters not deleted (%s); "
-                            "every listing leaves them out", g.name, len(extra), exc)
-        return list(first.values())
-
-    def _release(self, queue_url: str, messages: Iterable[Mapping[str, Any]]) -> None:
-        handles = [m["ReceiptHandle"] for m in messages]
-        for start in range(0, len(handles), BATCH):
-            chunk = handles[start : start + BATCH]
-            self._call(
-                "release dead letters", self._sqs.change_message_visibility_batch,
-                QueueUrl=queue_url,
-                Entries=[{"Id": str(i), "ReceiptHandle": h, "VisibilityTimeout": 0}
-                         for i, h in enumerate(chunk)],
-            )
-
-    def _dead_letter_view(self, msg: Mapping[str, Any]) -> DeadLetter:
-        wire = _from_sqs(msg)
-        meta = wire.meta
-        fields = wire.fields()
-        sent = int((msg.get("Attributes") or {}).get("SentTimestamp", 0)) / 1000.0
-        published = fields.published_at
-        return DeadLetter(
-            id=fields.id or str(msg["MessageId"]),
-            topic=wire.attributes.get(ATTR_TOPIC, {}).get("StringValue", ""),
-            body=_decode_body(wire.body, meta.get("e")),
-            headers=wire.headers(),
-            key=fields.key,
-            priority=int(meta.get("p", 0)),
-            published_at=utc(published if published is not None else sent),
-            attempts=fields.attempt,
-            reason=str(meta.get(M_REASON, "")),
-            dead_lettered_at=utc(float(meta.get(M_DEAD_AT, sent))),
-        )
-
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         g = self._lookup(group)
-        messages = self._scan_dead(g)
+        messages = deadletters.scan_dead(self._calls, g)
         try:
-            views = sorted((self._dead_letter_view(m) for m in messages),
+            views = sorted((deadletters.view(m) for m in messages),
                            key=lambda d: (d.dead_lettered_at or d.published_at))
         finally:
-            self._release(g.dlq_url, messages)
+            deadletters.release(self._calls, g.dlq_url, messages)
         return views[:limit]
 
     def _select(self, group: str, ids: Collection[str] | None) -> tuple[_Group, list[Any],
                                                                          list[Any]]:
         g = self._lookup(group)
-        messages = self._scan_dead(g)
+        messages = deadletters.scan_dead(self._calls, g)
         chosen: list[Any] = []
         rest: list[Any] = []
         for m in messages:
@@ -838,10 +518,10 @@ class SQSDriver(Driver):
                 wire = _from_sqs(m).with_meta(**{M_REASON: None, M_ATTEMPT: None,
                                                  M_DEAD_AT: None, M_DUE: None}
                                               ).without_header(EXPIRES_AT)
-                self._send(g.queue_url, wire, 0, g.fifo)
-            self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
+                self._calls.send(g.queue_url, wire, 0, g.fifo)
+            self._calls.delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
         finally:
-            self._release(g.dlq_url, rest)
+            deadletters.release(self._calls, g.dlq_url, rest)
         return len(chosen)
 
     def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
@@ -849,11 +529,7 @@ class SQSDriver(Driver):
         # to a minute, and cannot select ids.
         g, chosen, rest = self._select(group, ids)
         try:
-            self._delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
+            self._calls.delete_handles(g.dlq_url, [m["ReceiptHandle"] for m in chosen])
         finally:
-            self._release(g.dlq_url, rest)
+            deadletters.release(self._calls, g.dlq_url, rest)
         return len(chosen)
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc

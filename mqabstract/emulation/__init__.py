@@ -7,6 +7,8 @@ two drivers emulating the same thing do it the same way:
 * :mod:`.delays`: delay tiers and deferral hops for brokers with short or no native delays;
 * :mod:`.deadletters`: dead-letter metadata in the wire schema, decoding, selection, replay;
 * :mod:`.pattern`: topic patterns — literal head and tail, native filter supersets, matching;
+* :mod:`.routes`: topic → matching groups, cached until the group set changes (``Routes``),
+  for drivers that fan a publish out themselves (memory, SQLite);
 * :mod:`.names`: fitting names into a broker's length and alphabet limits, injectively;
 * :mod:`.ordering`: one message of a key at a time in ordered groups (``KeyGate``), used by
   the portable layer for every broker that would hand out more (``Capabilities.key_gate``).
@@ -24,12 +26,14 @@ from .leases import LeaseTable
 from .names import fit_name
 from .ordering import KeyGate
 from .pattern import NativeFilter, Pattern
+from .routes import Routes
 
 __all__ = [
     "KeyGate",
     "LeaseTable",
     "NativeFilter",
     "Pattern",
+    "Routes",
     "Tiers",
     "dead_headers",
     "dead_letter_from",

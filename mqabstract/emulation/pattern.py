@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from mqabstract.names import check_pattern, pattern_regex
+from mqabstract.names import check_pattern, topic_matcher
 
 __all__ = ["NativeFilter", "Pattern"]
 
@@ -72,7 +72,7 @@ class Pattern:
         return tuple(out)
 
     def matches(self, topic: str) -> bool:
-        return pattern_regex(self.text).fullmatch("." + topic) is not None
+        return topic_matcher(self.text)(topic)
 
     def native_filter(self) -> NativeFilter:
         """The tightest exact / prefix / suffix superset of the matching topics.

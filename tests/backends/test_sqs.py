@@ -190,7 +190,7 @@ def test_a_failed_lane_names_what_was_published_and_what_not(mq, names, monkeypa
     group, root = names
     sub = mq.subscribe(group, f"{root}.#", lease=30)
     driver = mq._driver
-    call = driver._call
+    call = driver._calls.call
     poisoned = "poison"
 
     def flaky(what: str, fn: object, **kwargs: object) -> object:
@@ -199,7 +199,7 @@ def test_a_failed_lane_names_what_was_published_and_what_not(mq, names, monkeypa
             raise mqabstract.ConnectionFailed("sqs: injected failure")
         return call(what, fn, **kwargs)
 
-    monkeypatch.setattr(driver, "_call", flaky)
+    monkeypatch.setattr(driver._calls, "call", flaky)
     msgs = [mqabstract.OutgoingMessage(f"{root}.a", poisoned if i == 3 else f"m{i}",
                                        key=f"k{i % 8}", id=f"{root}-{i}") for i in range(80)]
     with pytest.raises(mqabstract.PublishError) as info:
@@ -244,7 +244,7 @@ def test_a_dead_letter_move_cut_before_its_delete_is_one_dead_letter(mq, names,
     def killed(queue_url: str, handles: object) -> None:
         raise mqabstract.ConnectionFailed("sqs: injected: the consumer died here")
 
-    monkeypatch.setattr(driver, "_delete_handles", killed)
+    monkeypatch.setattr(driver._calls, "delete_handles", killed)
     with pytest.raises(mqabstract.ConnectionFailed):
         msg.nack()  # the final attempt: dead-lettered, the original not deleted
     monkeypatch.undo()
