@@ -50,6 +50,7 @@ from .errors import (
     Unsupported,
     ValidationError,
 )
+from .guard import _Guard, _translate
 from .middleware import NO_MIDDLEWARE, Chain, Publishing
 from .model import (
     Columns,
@@ -194,44 +195,12 @@ def _check_column(values: list[Any], check: Callable[[Any], object], max_len: in
                 raise type(exc)(str(exc), index=i) from exc
 
 
-def _translate(exc: Exception, backend: str) -> MQError:
-    """Wrap an exception a driver let escape; MQErrors pass through unchanged."""
-    if isinstance(exc, MQError):
-        return exc
-    err = MQError(f"{backend}: unexpected {type(exc).__name__}: {redact(str(exc))}")
-    err.__cause__ = exc
-    return err
-
-
 def _ran_out(late: Sequence[Message]) -> LeaseExpired:
     first = late[0]
     what = (f"message {first.id} (attempt {first.attempt})" if len(late) == 1
             else f"{len(late)} messages (first: {first.id}, attempt {first.attempt})")
     return LeaseExpired(f"{what}: the lease ran out before this settle; delivered again with "
                         "the next attempt")
-
-
-class _Guard:
-    """Context manager translating stray driver exceptions into ``MQError`` (one place).
-
-    ``MQError`` passes through untouched, keeping the native exception its driver chained.
-    A class rather than ``@contextmanager``: it sits on the ack/receive hot path.
-    """
-
-    __slots__ = ("backend",)
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, tp: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> Literal[False]:
-        if exc is None or isinstance(exc, MQError) or not isinstance(exc, Exception):
-            return False
-        raise _translate(exc, self.backend) from exc
 
 
 class _Settling:
