@@ -22,7 +22,7 @@ from .model import Delivery, utc
 from .requests import REPLY_PREFIX
 
 if TYPE_CHECKING:
-    from .broker import Subscription
+    from .subscription import Subscription
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _CARRIED = wire.CARRIED

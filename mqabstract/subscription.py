@@ -1,0 +1,712 @@
+"""``Subscription``: one consumer attached to a group, and everything it keeps.
+
+``receive`` applies the portable rules to what the driver returns (the lease rule, the
+dead-letter decision after ``max_attempts``, TTL, others' replies skipped); the ordered-key
+gate holds a key's later messages back on brokers that would hand them out early, its
+keeper thread renewing their leases; the settles ``Message`` asks for run here, with
+middleware told how they went (``_Settling``); and ``consume`` plus the per-message
+outcome that both consume loops (``consuming``, ``aio``) share. Separate from ``broker.py``:
+the consumer side holds its own state and never reaches the publish path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import wire
+from .capabilities import Feature
+from .checks import check_count as _check_count
+from .checks import check_seconds as _check_seconds
+from .consuming import (
+    Backoff,
+    ConsumeLoop,
+    ConsumeStats,
+    ThreadedConsume,
+    check_handler,
+    replying,
+    stop_on_signals,
+)
+from .dedupe import DedupeStore
+from .driver import DriverSubscription
+from .emulation.ordering import RETURN_PATIENCE, KeyGate
+from .errors import (
+    AlreadySettled,
+    Closed,
+    DecodeError,
+    InvalidArgument,
+    LeaseExpired,
+    MQError,
+)
+from .guard import _Guard
+from .message import Message, _ran_out
+from .model import Delivery, GroupSpec
+from .requests import REPLY_PREFIX
+from .typed import Model
+from .url import redact
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+log = logging.getLogger("mqabstract")
+
+
+_EXPIRES_AT = wire.EXPIRES_AT
+_CORRELATION_ID = wire.CORRELATION_ID
+#: Longest driver wait inside ``receive`` while the ordered-key gate holds messages.
+_HELD_POLL = 0.05
+
+
+def _ttl_ended(text: str, now: float) -> bool:
+    """Whether an ``mq-expires-at`` value is past (an unreadable one never expires)."""
+    try:
+        return float(text) <= now
+    except ValueError:
+        return False
+
+
+class _Settling:
+    """``Broker._guard`` around a driver settle call that also tells the middleware's
+    ``settled`` notices how it went (a class: it sits on the ack path)."""
+
+    __slots__ = ("guard", "messages", "op", "started", "sub")
+
+    def __init__(self, sub: Subscription, op: str,
+                 messages: Callable[[], Sequence[Message]]) -> None:
+        self.sub, self.op, self.messages = sub, op, messages
+        self.guard = sub._broker._guard
+        self.started = sub._broker._chain.now()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None, tb: Any
+                 ) -> Literal[False]:
+        error: MQError | None = None
+        try:
+            self.guard.__exit__(tp, exc, tb)
+        except MQError as translated:
+            error = translated
+            raise
+        finally:
+            chain = self.sub._broker._chain
+            # (LeaseExpired: told as "expired" by the caller; KeyboardInterrupt & co.: the
+            # outcome is unknown, the caller puts the messages back)
+            if chain.settlers and (exc is None or (isinstance(exc, Exception)
+                                                   and not isinstance(exc, LeaseExpired))):
+                if error is None and isinstance(exc, MQError):
+                    error = exc
+                chain.settled(self.sub, self.op, self.messages(), self.started, error)
+        return False
+
+
+class Subscription:
+    """A consumer attached to a group; messages of the group are shared among its consumers."""
+
+    def __init__(self, broker: Broker, spec: GroupSpec, inner: DriverSubscription,
+                 model: Model | None = None) -> None:
+        self._broker = broker
+        self._inner = inner
+        self.spec = spec
+        self.model = model  #: what ``Message.value`` is built into (``subscribe(model=)``)
+        self._lock = threading.Lock()
+        self._unsettled: set[Message] = set()
+        self._closed = False
+        self._stop = threading.Event()
+        # A pattern starting with a wildcard also matches the reply routes' topics; their
+        # replies (a correlation id on a mq-reply. topic) are for one requester, so this
+        # group acks its copies away unseen.
+        self._skips_replies = spec.pattern.split(".", 1)[0] in ("#", "*")
+        # Ordered groups on a broker that would hand out a key's next message while an
+        # earlier one is out: the gate holds the later ones back (one rule, kept here).
+        caps = broker.capabilities
+        self._gate: KeyGate[Message] | None = (
+            KeyGate(max(2 * spec.lease, RETURN_PATIENCE), hand_back=caps.key_gate == "hand_back")
+            if spec.ordered and caps.key_gate != "broker" else None)
+        self._can_extend = caps.supports(Feature.LEASE_EXTEND)
+        self._keeper: threading.Thread | None = None
+        self._keeper_stop = threading.Event()
+        # Held messages handed back unseen (key_gate="hand_back") -> how many times: the
+        # broker counted those receives as deliveries; the application never saw them.
+        self._unseen: dict[str, int] = {}
+
+    @property
+    def group(self) -> str:
+        return self.spec.name
+
+    @property
+    def pattern(self) -> str:
+        return self.spec.pattern
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed(f"subscription to group {self.spec.name!r} is closed")
+        self._broker._check_open()
+
+    # -- receiving ---------------------------------------------------------------------
+    def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]:
+        """Return up to ``max_messages`` messages, waiting up to ``wait`` seconds for the first.
+
+        Returns an empty list when nothing arrived in time. Messages that have already been
+        delivered ``max_attempts`` times are moved to the dead-letter store, not returned.
+        """
+        self._check_open()
+        _check_count(max_messages, "max_messages")
+        wait = _check_seconds(wait, "wait", math.inf)
+        caps = self._broker.capabilities
+        chain = self._broker._chain
+        started = chain.now()
+        deadline = time.monotonic() + wait
+        out: list[Message] = []
+        spec = self.spec
+        dead_letters = caps.supports(Feature.DEAD_LETTER)
+        # The lease rule: a message is ours until the start of the driver receive call that
+        # returned it + lease. The driver leases it later than that, so the broker's own
+        # deadline is never earlier than ours. Each driver call waits at most a quarter of
+        # the lease, so a message is handed over with at least 3/4 of its lease left — and
+        # never more than half of it where the backend's minimum lease is coarser (a call
+        # as long as the lease returned every message late: an SQS group with a 1 s lease
+        # never dead-lettered an exhausted message while it idled).
+        step = max(spec.lease / 4, min(caps.min_lease, spec.lease / 2))
+        gate = self._gate
+        while True:
+            span = step
+            if gate is not None and len(gate):
+                out += self._unhold(max_messages - len(out))
+                if len(out) >= max_messages:
+                    break
+                # Another thread's settle frees a held key: short driver waits see it soon.
+                span = min(step, _HELD_POLL)
+            remaining = max(0.0, deadline - time.monotonic())
+            want = min(max_messages - len(out), caps.max_receive)
+            lease_deadline = self._broker._monotonic() + spec.lease
+            with self._broker._guard:
+                batch = self._inner.receive(want, 0.0 if out else min(remaining, span))
+            late = bool(batch) and self._broker._monotonic() >= lease_deadline
+            if late:
+                # The driver call outlasted the lease (a stalled broker call, a frozen
+                # process): nobody sees these and nothing settles them — not even the
+                # portable layer's own dead-lettering of an exhausted or expired one, a
+                # settle after the deadline that used to reach the broker (SQS then moved
+                # a message twice). The backend delivers them again once its lease ends.
+                log.warning("receive from group %r returned %d messages after their lease "
+                            "ended; they are delivered again", spec.name, len(batch))
+                if out or self._closed or time.monotonic() >= deadline:
+                    break
+                continue
+            now = None
+            fresh: list[Message] = []
+            ended: list[Delivery] = []
+            replies: list[Delivery] = []
+            unseen = self._unseen
+            for delivery in batch:
+                if unseen and delivery.id in unseen:
+                    delivery.attempt = max(1, delivery.attempt - unseen.pop(delivery.id))
+                if (self._skips_replies and delivery.topic.startswith(REPLY_PREFIX)
+                        and delivery.headers and _CORRELATION_ID in delivery.headers):
+                    replies.append(delivery)
+                    continue
+                if dead_letters and delivery.attempt > spec.max_attempts:
+                    if self._broker._monotonic() < lease_deadline:  # else: it comes again
+                        self._expire(delivery)
+                        if gate is not None:
+                            self._gate_forget(delivery)
+                    continue
+                if delivery.headers and _EXPIRES_AT in delivery.headers:
+                    now = now or self._broker._now()
+                    if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
+                        ended.append(delivery)
+                        if gate is not None:
+                            self._gate_forget(delivery)
+                        continue
+                fresh.append(Message(delivery, self, lease_deadline))
+            if (replies or ended) and self._broker._monotonic() >= lease_deadline:
+                replies, ended = [], []  # too late to settle them: they come again
+            if replies:
+                try:
+                    self._ack_away(replies)
+                except MQError as exc:  # they come again and are skipped again
+                    log.debug("receive from group %r: acking %d replies away: %s",
+                              spec.name, len(replies), exc)
+            if ended:
+                self._ttl_ended(ended, dead_letters)
+            if fresh and self._broker._monotonic() >= lease_deadline:
+                # Settling the others took the rest of the lease (a backlog of expired
+                # messages on a slow broker): as for a late receive.
+                log.warning("receive from group %r: %d messages outlived their lease "
+                            "while others were settled; they are delivered again",
+                            spec.name, len(fresh))
+                fresh = []
+            if gate is not None and fresh:
+                fresh = self._admit(fresh)
+            out += fresh
+            if out or self._closed or time.monotonic() >= deadline:
+                break
+        if out:
+            with self._lock:
+                self._unsettled.update(out)
+            if chain.receivers:
+                chain.received(self, out, started)
+        return out
+
+    # -- the ordered-key gate (groups declared ordered=True on brokers that would hand out
+    # a key's next message while an earlier one is out: Capabilities.key_gate) -----------
+    def _admit(self, fresh: list[Message]) -> list[Message]:
+        """Received messages through the gate: those that go out now (the rest are held,
+        their leases renewed by the keeper thread until their key is free)."""
+        gate = self._gate
+        assert gate is not None
+        now = self._broker._monotonic()
+        with self._lock:
+            out = [m for m in fresh if gate.admit(m, now)]
+            if len(gate) and (self._keeper is None or not self._keeper.is_alive()):
+                self._keeper = threading.Thread(
+                    target=self._keep, name=f"mqabstract-held-{self.spec.name}", daemon=True)
+                self._keeper.start()
+            back = self._outgoing_locked()
+        if back:
+            self._hand_back(back)
+        return out
+
+    def _hand_back(self, messages: list[Message]) -> None:
+        """Give held messages back to the broker unseen; their next delivery here does not
+        count this one (the broker did: SQS's receive count)."""
+        unseen = self._unseen
+        if len(unseen) > 10_000:  # ids that came back to other consumers: forget them
+            unseen.clear()
+        for msg in messages:
+            unseen[msg.id] = unseen.get(msg.id, 0) + 1
+        self._release(messages)
+
+    def _outgoing_locked(self) -> list[Message]:
+        """Held messages the gate gives back to the broker (``key_gate="hand_back"``)."""
+        gate = self._gate
+        if gate is None or not gate.outgoing:
+            return []
+        out, gate.outgoing = gate.outgoing, []
+        return out
+
+    def _unhold(self, limit: int) -> list[Message]:
+        """Held messages whose key became free, each with a fresh lease from now (one
+        whose lease is gone is never handed out: it comes again, first of its key)."""
+        gate = self._gate
+        assert gate is not None
+        now = self._broker._monotonic()
+        with self._lock:
+            ready = gate.ready(now, limit)
+            back = self._outgoing_locked()
+        if back:
+            self._hand_back(back)
+        out: list[Message] = []
+        for i, msg in enumerate(ready):
+            try:
+                renewed = self._renew(msg)
+            except BaseException:
+                with self._lock:
+                    for rest in reversed(ready[i:]):
+                        gate.put_back(rest)
+                if out:
+                    with self._lock:
+                        self._unsettled.update(out)
+                raise
+            if renewed:
+                out.append(msg)
+            else:
+                with self._lock:
+                    gate.returned(msg, now + gate.patience)
+        return out
+
+    def _renew(self, msg: Message) -> bool:
+        """Renew a held message's lease for a whole lease from now; False when it is gone
+        (without lease extend: whether its first lease still runs)."""
+        broker = self._broker
+        now = broker._monotonic()
+        if now >= msg._deadline or not self._can_extend:  # the lease rule: ours ended
+            return now < msg._deadline
+        renewed = now + self.spec.lease  # read before the driver renews
+        try:
+            with broker._guard:
+                self._inner.extend(msg._receipt, self.spec.lease)
+        except LeaseExpired:
+            return False
+        msg._deadline = renewed
+        return True
+
+    def _renew_held(self) -> int:
+        """Renew the leases of held messages with less than half a lease left, so their
+        broker lease never runs out while they wait; returns how many are held."""
+        gate = self._gate
+        assert gate is not None
+        now = self._broker._monotonic()
+        with self._lock:
+            due = gate.renewals(now, self.spec.lease / 2)
+        for msg in due:
+            try:
+                kept = self._renew(msg)
+            except MQError as exc:  # the broker away for a moment: the next tick retries
+                log.debug("renewing a held message of group %r: %s", self.spec.name, exc)
+                continue
+            if not kept:
+                with self._lock:
+                    gate.lost(msg, now + gate.patience)
+        with self._lock:
+            back = self._outgoing_locked()
+        if back:
+            self._hand_back(back)
+        with self._lock:
+            return len(gate)
+
+    def _keep(self) -> None:
+        """The keeper thread: renews held leases every quarter lease while any are held."""
+        tick = min(max(self.spec.lease / 4, 0.01), 5.0)
+        while not self._keeper_stop.wait(tick):
+            try:
+                if not self._renew_held():
+                    with self._lock:
+                        if self._gate is None or not len(self._gate):
+                            self._keeper = None
+                            return
+            except Exception as exc:  # e.g. Closed while closing
+                log.debug("keeper of group %r: %s", self.spec.name, exc)
+
+    def _ungate(self, messages: Iterable[Message], back: float | None) -> None:
+        """Settled: ``back`` None, done (acked, dead-lettered): the key is free; else the
+        message comes again after ``back`` seconds and its key waits for it."""
+        gate = self._gate
+        if gate is None:
+            return
+        with self._lock:
+            if back is None:
+                for msg in messages:
+                    gate.done(msg)
+            else:
+                until = self._broker._monotonic() + back + gate.patience
+                for msg in messages:
+                    gate.returned(msg, until)
+            out = self._outgoing_locked()
+        if out:
+            self._hand_back(out)
+
+    def _gate_forget(self, delivery: Delivery) -> None:
+        """A delivery nobody is shown (dead-lettered or expired on receipt) will not come
+        again: its key stops waiting for it."""
+        assert self._gate is not None
+        with self._lock:
+            self._gate.gone(delivery.key, delivery.id)
+
+    def _ttl_ended(self, deliveries: Sequence[Delivery], dead_letters: bool) -> None:
+        """Their TTL ended before this group received them: never delivered; dead-lettered
+        with reason ``expired`` (or acked away in one call, for ``expired="drop"``)."""
+        if dead_letters and self.spec.expired == "dead_letter":
+            for delivery in deliveries:
+                self._dead_letter_expired(delivery)
+        else:
+            self._ack_away(deliveries)
+
+    def _ack_away(self, deliveries: Sequence[Delivery]) -> None:
+        """Settle deliveries nobody is shown (dropped expired ones, others' replies)."""
+        with self._settling("ack", lambda: [Message(d, self, 0.0) for d in deliveries]):
+            self._inner.ack([d.receipt for d in deliveries])
+
+    def _dead_letter_expired(self, delivery: Delivery) -> None:
+        with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
+            self._inner.dead_letter(delivery.receipt, "expired", delivery.attempt - 1)
+
+    def _expire(self, delivery: Delivery) -> None:
+        reason = f"max attempts ({self.spec.max_attempts}) exceeded"
+        with self._settling("dead_letter", lambda: (Message(delivery, self, 0.0),)):
+            self._inner.dead_letter(delivery.receipt, reason, delivery.attempt - 1)
+
+    def _settling(self, op: str, messages: Callable[[], Sequence[Message]]
+                  ) -> _Settling | _Guard:
+        """The guard around a driver settle call, telling middleware how it ended (the
+        plain guard when no middleware listens)."""
+        if self._broker._chain.settlers:
+            return _Settling(self, op, messages)
+        return self._broker._guard
+
+    def _gone(self, messages: Sequence[Message]) -> None:
+        """Tell middleware these messages' leases ran out before they were settled."""
+        chain = self._broker._chain
+        if chain.settlers and messages:
+            chain.settled(self, "expired", messages, chain.now())
+
+    # -- settlement (called by Message) ---------------------------------------------------
+    def _forget(self, msg: Message) -> None:
+        with self._lock:
+            self._unsettled.discard(msg)
+
+    def ack_many(self, messages: Iterable[Message]) -> None:
+        """Ack messages of this subscription with one driver call: what ``Message.ack`` does
+        for each, at a fraction of the cost per message.
+
+        All are checked first: one from another subscription (``InvalidArgument``) or one
+        already nacked or dead-lettered (``AlreadySettled``) raises before any is acked.
+        Already acked ones are skipped. Those whose lease ran out (or that the backend
+        reports as lost with their connection or partition) are not acked — they come
+        again — and ``LeaseExpired`` says so after the others are.
+        """
+        self._check_open()
+        batch = messages if isinstance(messages, (list, tuple)) else list(messages)
+        for msg in batch:
+            if not isinstance(msg, Message) or msg._sub is not self:
+                raise InvalidArgument("ack_many takes messages received from this subscription")
+            state = msg._state
+            if state is not None and state != "acked" and state != "expired":
+                raise AlreadySettled(f"message {msg.id} was already {state}")
+        now = self._broker._monotonic()
+        todo: list[Message] = []
+        late: list[Message] = []
+        newly_late: list[Message] = []  # (middleware hears of an expiry once)
+        with self._lock:  # atomic with a hand-back from another thread (see _begin)
+            discard = self._unsettled.discard
+            for msg in batch:
+                state = msg._state
+                if state is None and now < msg._deadline:
+                    msg._state = "acked"
+                    todo.append(msg)
+                    discard(msg)
+                elif state == "acked":
+                    continue
+                elif state is None or state == "expired":
+                    if state is None:
+                        newly_late.append(msg)
+                    msg._state = "expired"
+                    late.append(msg)
+                    discard(msg)
+                # else: handed back meanwhile by a stopping consume loop: it comes again
+        if todo:
+            try:
+                with self._settling("ack", lambda: [m for m in todo if m._state == "acked"]):
+                    self._inner.ack([msg._receipt for msg in todo])
+            except LeaseExpired as exc:
+                stale = set(exc.receipts)
+                for msg in todo:
+                    if not stale or msg._receipt in stale:
+                        msg._state = "expired"
+                self._gone([*newly_late, *(m for m in todo if m._state == "expired")])
+                chain = self._broker._chain
+                if chain.settlers and (done := [m for m in todo if m._state == "acked"]):
+                    chain.settled(self, "ack", done, chain.now())
+                raise
+            except BaseException:
+                # Not acked (as far as anyone knows): unsettled again, the caller may retry
+                # or let the lease run out.
+                with self._lock:
+                    for msg in todo:
+                        msg._state = None
+                        self._unsettled.add(msg)
+                raise
+            if self._gate is not None:
+                self._ungate(todo, None)
+        if late:
+            self._gone(newly_late)
+            raise _ran_out(late)
+
+    def _check_nack(self, delay: object) -> None:
+        self._check_open()
+        caps = self._broker.capabilities
+        seconds = _check_seconds(delay, "nack delay", caps.max_delay)
+        if seconds > 0:
+            self._broker._require(Feature.NACK_DELAY)
+
+    def _settle_nack(self, msg: Message, delay: float) -> None:
+        self._forget(msg)
+        if msg.attempt >= self.spec.max_attempts and self._broker.capabilities.supports(
+            Feature.DEAD_LETTER
+        ):
+            reason = f"nacked on final attempt ({msg.attempt} of {self.spec.max_attempts})"
+            with self._settling("dead_letter", lambda: (msg,)):
+                self._inner.dead_letter(msg._receipt, reason, msg.attempt)
+            self._ungate((msg,), None)
+        else:
+            with self._settling("nack", lambda: (msg,)):
+                self._inner.nack(msg._receipt, delay)
+            self._ungate((msg,), delay)
+
+    def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None:
+        self._forget(msg)
+        with self._settling("dead_letter", lambda: (msg,)):
+            self._inner.dead_letter(msg._receipt, reason[:1000], attempts)
+        self._ungate((msg,), None)
+
+    def _extend(self, msg: Message, seconds: object) -> None:
+        self._check_open()
+        self._broker._require(Feature.LEASE_EXTEND)
+        value = self._broker._check_lease(seconds, "extend")
+        renewed = self._broker._monotonic() + value  # read before the driver renews
+        with self._broker._guard:
+            self._inner.extend(msg._receipt, value)
+        msg._deadline = renewed
+
+    # -- push-style loop ------------------------------------------------------------------
+    def consume(
+        self,
+        handler: Callable[[Message], object],
+        *,
+        max_messages: int | None = None,
+        idle_timeout: float | None = None,
+        batch: int = 10,
+        wait: float = 1.0,
+        backoff: Backoff | None = None,
+        stop: threading.Event | None = None,
+        concurrency: int = 1,
+        auto_extend: bool | None = None,
+        grace: float = 30.0,
+        signals: bool = False,
+        dedupe: DedupeStore | None = None,
+        reply: bool = False,
+    ) -> ConsumeStats:
+        """Call ``handler`` for each message until stopped; return what happened.
+
+        A handler that returns acks the message (unless it settled it itself); one that
+        raises gets the message nacked with exponential ``backoff``, and dead-lettered with
+        the exception as reason once ``max_attempts`` deliveries are used up. A payload that
+        fails the subscription's ``model`` is dead-lettered at once, never handled.
+
+        ``concurrency`` handlers run at once (a pool of threads; 1 runs them on this
+        thread), with at most ``max(concurrency, batch)`` messages leased; in an ordered
+        group two messages of one key never run at the same time. ``auto_extend`` (on by
+        default where leases can be extended) renews the lease of every held message with
+        less than half of it left, so a slow handler keeps its message.
+
+        The loop ends after ``max_messages`` messages (once their handlers finish), after
+        ``idle_timeout`` seconds without any, or on a stop: ``stop`` set,
+        ``Subscription.stop()``, or SIGTERM/SIGINT with ``signals=True``. A stop takes no
+        more messages, hands back those not started at once, gives running handlers
+        ``grace`` seconds and then hands theirs back too: nothing is lost, only the
+        unfinished come again. Retryable broker errors (a dropped connection) are retried
+        with backoff; others propagate.
+
+        With ``dedupe`` (a ``mqabstract.dedupe`` store) the loop is an idempotent consumer:
+        a message whose id the store has recorded for this group is acked without calling
+        the handler (``ConsumeStats.duplicates``); after a handler succeeds the store records
+        the id, then the message is acked. With ``reply=True`` a handler's non-None return
+        value answers a request (``Message.reply``) before the ack.
+        """
+        check_handler(handler, coroutine=False)
+        handler = replying(handler, reply)
+        loop = ConsumeLoop(self, max_messages=max_messages, idle_timeout=idle_timeout,
+                           batch=batch, wait=wait, backoff=backoff, concurrency=concurrency,
+                           auto_extend=auto_extend, grace=grace, dedupe=dedupe)
+        if not isinstance(signals, bool):
+            raise InvalidArgument(f"signals must be a bool, got {signals!r}")
+        self._check_open()
+        self._stop.clear()
+        with stop_on_signals(signals, self._stop.set):
+            return ThreadedConsume(self, self._broker._chain.wrap(handler), loop, stop).run()
+
+    def _invalid(self, msg: Message) -> str | None:
+        """Why ``msg``'s payload fails the subscription's model (None: it fits, or there is
+        no model). Decodes it once; the handler then reads ``msg.value`` for free."""
+        if self.model is None:
+            return None
+        try:
+            msg.value  # noqa: B018 - decodes and caches
+        except DecodeError as exc:
+            return str(exc)
+        return None
+
+    def _reject(self, msg: Message, reason: str) -> tuple[str, ...]:
+        """Dead-letter a message whose payload is invalid: retrying cannot fix it."""
+        log.warning("consume: %s dead-lettered: invalid payload: %s", msg.id, reason)
+        try:
+            msg.dead_letter(f"invalid payload: {reason}")
+        except LeaseExpired as late:
+            self._count_expired(msg, late)
+            return ("expired",)
+        return ("invalid", "dead_lettered")
+
+    def _outcome(self, msg: Message, exc: Exception | None, backoff: Backoff
+                 ) -> tuple[str, ...]:
+        """Settle ``msg`` after its handler returned (``exc`` None: ack unless it settled
+        the message itself) or raised ``exc`` (nack with backoff; dead-letter on the final
+        attempt; a ``LeaseExpired`` is counted, not retried). Returns the ``ConsumeStats``
+        counters to add. Shared by the sync and the asyncio ``consume``."""
+        if isinstance(exc, LeaseExpired):  # the handler settled too late: counted, logged
+            self._count_expired(msg, exc)
+            return ("expired",)
+        counts: tuple[str, ...] = () if exc is None else ("failed",)
+        if msg.settled:
+            return counts
+        caps = self._broker.capabilities
+        try:
+            if exc is None:
+                msg.ack()
+                return ("acked",)
+            if caps.supports(Feature.DEAD_LETTER) and msg.attempt >= self.spec.max_attempts:
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("consume: %s dead-lettered after %d attempts: %s",
+                            msg.id, msg.attempt, reason)
+                msg.dead_letter(reason)
+                return (*counts, "dead_lettered")
+            msg.nack(backoff.delay(msg.attempt) if caps.supports(Feature.NACK_DELAY) else 0.0)
+            return (*counts, "retried")
+        except LeaseExpired as late:
+            self._count_expired(msg, late)
+            return (*counts, "expired")
+
+    @staticmethod
+    def _count_expired(msg: Message, exc: LeaseExpired) -> None:
+        log.warning("consume: handler outlived the lease of %s (attempt %d): %s",
+                    msg.id, msg.attempt, exc)
+
+    def stop(self) -> None:
+        """Stop a running ``consume`` (from any thread or a signal handler): it takes no more
+        messages and returns once running handlers finish (within its ``grace``)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Detach. Unsettled messages are handed back for redelivery at once (idempotent)."""
+        if self._closed:
+            return
+        self._stop.set()
+        self._keeper_stop.set()
+        with self._lock:
+            pending = list(self._unsettled)
+            self._unsettled.clear()
+            # Held ones go back after their key's head, in their order.
+            pending += self._gate.drain() if self._gate is not None else ()
+        self._release(pending)
+        self._closed = True
+        self._broker._forget(self)
+        with self._broker._guard:
+            self._inner.close()
+
+    def _release(self, messages: Iterable[Message]) -> None:
+        """Hand unsettled messages back for redelivery at once (close; a cancelled asyncio
+        receive). Never dead-letters; a message whose lease is gone is left to expire."""
+        now = self._broker._monotonic()
+        for msg in messages:
+            with self._lock:  # atomic with a settle from another thread (see Message._begin)
+                if msg._state is not None or now >= msg._deadline:
+                    continue  # settled meanwhile, or stale: a stale release never goes out
+                msg._state = "released"
+                self._unsettled.discard(msg)
+            try:
+                with self._settling("release", lambda m=msg: (m,)):  # type: ignore[misc]
+                    self._inner.nack(msg._receipt, 0.0)
+            except Exception as exc:  # the connection may be gone; leases expire anyway
+                # A warning: the message now waits out its lease before anyone gets it.
+                log.warning("release of %s failed (delivered again after its lease): %s",
+                            msg.id, redact(str(exc)))
+                continue
+            self._ungate((msg,), 0.0)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Subscription(group={self.spec.name!r}, pattern={self.spec.pattern!r}, {state})"
