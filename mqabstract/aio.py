@@ -389,7 +389,7 @@ class _TaskConsume:
         names: Sequence[str] = ()
         later = False
         try:
-            invalid = self.sub._invalid(msg)
+            invalid = self.loop.invalid(msg)
             exc: Exception | None = None
             if invalid is None:
                 try:
@@ -408,7 +408,7 @@ class _TaskConsume:
             if not self.flight.settle(msg):
                 return
             if invalid is not None:
-                names = await self.run_io(self.sub._reject, msg, invalid)
+                names = await self.run_io(self.loop.reject, msg, invalid)
                 return
             if exc is None and not msg.settled:  # the common case: acked with others
                 self.acks.append(msg)
@@ -416,7 +416,7 @@ class _TaskConsume:
                 if self.flusher is None:
                     self.flusher = asyncio.create_task(self._flush())
                 return
-            names = await self.run_io(self.sub._outcome, msg, exc, self.loop.backoff)
+            names = await self.run_io(self.loop.outcome, msg, exc)
         except MQError as exc:  # the broker refused the settle: the lease brings it back
             log.warning("consume: settling %s failed: %s", msg.id, exc)
         except Exception:  # a bug: logged, the lease brings the message back

@@ -6,7 +6,7 @@ may start (``concurrency`` handlers at once; in an ordered group never two of on
 which leases to renew while handlers run (``auto_extend``), and what a stop does: take no
 more messages, let running handlers finish within ``grace`` seconds, hand the rest back for
 redelivery at once. The settle decision after a handler (ack / nack with backoff /
-dead-letter) is ``Subscription._outcome``, also shared.
+dead-letter; an invalid payload dead-lettered unhandled) is ``ConsumeLoop``'s too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .capabilities import Feature
 from .checks import check_count, check_seconds
 from .dedupe import DedupeStore
-from .errors import Duplicate, InvalidArgument, MQError
+from .errors import DecodeError, Duplicate, InvalidArgument, LeaseExpired, MQError
 from .url import redact
 
 if TYPE_CHECKING:
@@ -188,6 +188,7 @@ class ConsumeLoop:
             raise InvalidArgument("dedupe must be a mqabstract.dedupe store (MemoryStore, "
                                   f"SQLiteStore), got {type(dedupe).__name__}")
         self.dedupe = dedupe
+        self.sub = sub
         spec: GroupSpec = sub.spec
         can_extend = sub._broker.capabilities.supports(Feature.LEASE_EXTEND)
         if auto_extend and not can_extend:
@@ -257,6 +258,60 @@ class ConsumeLoop:
         """Messages whose lease ``auto_extend`` renews now (less than half of it left)."""
         assert self.extend_by is not None
         return self.flight.due(now, self.extend_by / 2)
+
+    def invalid(self, msg: Message) -> str | None:
+        """Why ``msg``'s payload fails the subscription's model (None: it fits, or there is
+        no model). Decodes it once; the handler then reads ``msg.value`` for free."""
+        if self.sub.model is None:
+            return None
+        try:
+            msg.value  # noqa: B018 - decodes and caches
+        except DecodeError as exc:
+            return str(exc)
+        return None
+
+    def reject(self, msg: Message, reason: str) -> tuple[str, ...]:
+        """Dead-letter a message whose payload is invalid: retrying cannot fix it."""
+        log.warning("consume: %s dead-lettered: invalid payload: %s", msg.id, reason)
+        try:
+            msg.dead_letter(f"invalid payload: {reason}")
+        except LeaseExpired as late:
+            _count_expired(msg, late)
+            return ("expired",)
+        return ("invalid", "dead_lettered")
+
+    def outcome(self, msg: Message, exc: Exception | None) -> tuple[str, ...]:
+        """Settle ``msg`` after its handler returned (``exc`` None: ack unless it settled
+        the message itself) or raised ``exc`` (nack with backoff; dead-letter on the final
+        attempt; a ``LeaseExpired`` is counted, not retried). Returns the ``ConsumeStats``
+        counters to add. Shared by the sync and the asyncio ``consume``."""
+        if isinstance(exc, LeaseExpired):  # the handler settled too late: counted, logged
+            _count_expired(msg, exc)
+            return ("expired",)
+        counts: tuple[str, ...] = () if exc is None else ("failed",)
+        if msg.settled:
+            return counts
+        caps = self.sub._broker.capabilities
+        try:
+            if exc is None:
+                msg.ack()
+                return ("acked",)
+            if caps.supports(Feature.DEAD_LETTER) and msg.attempt >= self.sub.spec.max_attempts:
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("consume: %s dead-lettered after %d attempts: %s",
+                            msg.id, msg.attempt, reason)
+                msg.dead_letter(reason)
+                return (*counts, "dead_lettered")
+            msg.nack(self.backoff.delay(msg.attempt) if caps.supports(Feature.NACK_DELAY) else 0.0)
+            return (*counts, "retried")
+        except LeaseExpired as late:
+            _count_expired(msg, late)
+            return (*counts, "expired")
+
+
+def _count_expired(msg: Message, exc: LeaseExpired) -> None:
+    log.warning("consume: handler outlived the lease of %s (attempt %d): %s",
+                msg.id, msg.attempt, exc)
 
 
 def renew(msg: Message, seconds: float) -> bool:
@@ -435,7 +490,7 @@ class ThreadedConsume:
             self._hand_back(back, "not started")
             return
         try:
-            invalid = self.sub._invalid(msg)
+            invalid = self.loop.invalid(msg)
             duplicate = False
             if invalid is None:
                 exc: Exception | None = None
@@ -453,9 +508,9 @@ class ThreadedConsume:
                 if not self.flight.settle(msg):  # handed back at the end of grace
                     return
             if invalid is not None:
-                names = self.sub._reject(msg, invalid)
+                names = self.loop.reject(msg, invalid)
             else:
-                names = self.sub._outcome(msg, exc, self.loop.backoff)
+                names = self.loop.outcome(msg, exc)
                 if duplicate:
                     names = (*names, "duplicates")
         except MQError as exc:  # the broker refused the settle: the lease brings it back

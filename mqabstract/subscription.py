@@ -37,7 +37,6 @@ from .emulation.ordering import RETURN_PATIENCE, KeyGate
 from .errors import (
     AlreadySettled,
     Closed,
-    DecodeError,
     InvalidArgument,
     LeaseExpired,
     MQError,
@@ -603,61 +602,6 @@ class Subscription:
         self._stop.clear()
         with stop_on_signals(signals, self._stop.set):
             return ThreadedConsume(self, self._broker._chain.wrap(handler), loop, stop).run()
-
-    def _invalid(self, msg: Message) -> str | None:
-        """Why ``msg``'s payload fails the subscription's model (None: it fits, or there is
-        no model). Decodes it once; the handler then reads ``msg.value`` for free."""
-        if self.model is None:
-            return None
-        try:
-            msg.value  # noqa: B018 - decodes and caches
-        except DecodeError as exc:
-            return str(exc)
-        return None
-
-    def _reject(self, msg: Message, reason: str) -> tuple[str, ...]:
-        """Dead-letter a message whose payload is invalid: retrying cannot fix it."""
-        log.warning("consume: %s dead-lettered: invalid payload: %s", msg.id, reason)
-        try:
-            msg.dead_letter(f"invalid payload: {reason}")
-        except LeaseExpired as late:
-            self._count_expired(msg, late)
-            return ("expired",)
-        return ("invalid", "dead_lettered")
-
-    def _outcome(self, msg: Message, exc: Exception | None, backoff: Backoff
-                 ) -> tuple[str, ...]:
-        """Settle ``msg`` after its handler returned (``exc`` None: ack unless it settled
-        the message itself) or raised ``exc`` (nack with backoff; dead-letter on the final
-        attempt; a ``LeaseExpired`` is counted, not retried). Returns the ``ConsumeStats``
-        counters to add. Shared by the sync and the asyncio ``consume``."""
-        if isinstance(exc, LeaseExpired):  # the handler settled too late: counted, logged
-            self._count_expired(msg, exc)
-            return ("expired",)
-        counts: tuple[str, ...] = () if exc is None else ("failed",)
-        if msg.settled:
-            return counts
-        caps = self._broker.capabilities
-        try:
-            if exc is None:
-                msg.ack()
-                return ("acked",)
-            if caps.supports(Feature.DEAD_LETTER) and msg.attempt >= self.spec.max_attempts:
-                reason = f"{type(exc).__name__}: {exc}"
-                log.warning("consume: %s dead-lettered after %d attempts: %s",
-                            msg.id, msg.attempt, reason)
-                msg.dead_letter(reason)
-                return (*counts, "dead_lettered")
-            msg.nack(backoff.delay(msg.attempt) if caps.supports(Feature.NACK_DELAY) else 0.0)
-            return (*counts, "retried")
-        except LeaseExpired as late:
-            self._count_expired(msg, late)
-            return (*counts, "expired")
-
-    @staticmethod
-    def _count_expired(msg: Message, exc: LeaseExpired) -> None:
-        log.warning("consume: handler outlived the lease of %s (attempt %d): %s",
-                    msg.id, msg.attempt, exc)
 
     def stop(self) -> None:
         """Stop a running ``consume`` (from any thread or a signal handler): it takes no more
