@@ -41,7 +41,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from . import connect as _connect_sync
-from .broker import Broker, Message, Subscription, _batch_publishing, _with
+from .broker import Broker, Message, Subscription
 from .capabilities import Capabilities
 from .checks import check_count as _check_count
 from .checks import check_seconds as _check_seconds
@@ -58,6 +58,7 @@ from .dedupe import DedupeStore
 from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError, Timeout
 from .middleware import Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
+from .outgoing import _batch_publishing, _with
 from .requests import ReplyRoute
 
 __all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
@@ -575,8 +576,8 @@ class AsyncBroker:
                        deliver_at: datetime | None, id: str | None,
                        ttl: float | None = None) -> str:
         broker = self.broker
-        env = broker._envelope(topic, body, headers, key, priority, delay, deliver_at, id,
-                               broker._now(), ttl)
+        env = broker._packer.envelope(topic, body, headers, key, priority, delay, deliver_at,
+                                      id, broker._now(), ttl)
         if not (self._busy or self._senders):  # alone: at once; others queue behind it
             self._busy = True
             try:

@@ -3,7 +3,7 @@
 Every driver call the portable layer makes runs under the broker's ``_Guard`` (and every
 chunk of a publish through ``_translate``), so nothing but ``MQError`` reaches the
 application. A module of its own because the broker, its subscriptions and the publish
-path all use it, and it depends on none of them.
+path (``outgoing``) all use it, and it depends on none of them.
 """
 
 from __future__ import annotations
