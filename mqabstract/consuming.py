@@ -31,8 +31,9 @@ from .errors import DecodeError, Duplicate, InvalidArgument, LeaseExpired, MQErr
 from .url import redact
 
 if TYPE_CHECKING:
-    from .broker import Message, Subscription
+    from .message import Message
     from .model import GroupSpec
+    from .subscription import Subscription
 
 __all__ = ["Backoff", "ConsumeStats"]
 

@@ -33,7 +33,7 @@ from .emulation.sqlitedb import immediate, open_wal, retry_busy
 from .errors import Duplicate, InvalidArgument, StoreError
 
 if TYPE_CHECKING:
-    from .broker import Message
+    from .message import Message
 
 __all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]
 

@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidArgument, MiddlewareError, MQError
 
 if TYPE_CHECKING:
-    from .broker import Broker, Message, Subscription
+    from .broker import Broker
+    from .message import Message
+    from .subscription import Subscription
 
 __all__ = ["Middleware", "Publishing"]
 

@@ -54,7 +54,9 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.propagators.textmap import TextMapPropagator
 
-    from .broker import Broker, Message, Subscription
+    from .broker import Broker
+    from .message import Message
+    from .subscription import Subscription
 
 __all__ = ["OpenTelemetry", "extract", "trace_headers"]
 

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 from .errors import Closed, MQError, Timeout
 
 if TYPE_CHECKING:
-    from .broker import Broker, Message, Subscription
+    from .broker import Broker
+    from .message import Message
+    from .subscription import Subscription
 
 log = logging.getLogger("mqabstract")
 
