@@ -88,7 +88,8 @@ OUTCOMES = (ACKED, NACKED, DEAD_LETTERED, LEASE_EXPIRED, ACK_STARTED)
 #: Outcomes that end a lease on the broker (a settle that took effect).
 EFFECTIVE = (ACKED, NACKED, DEAD_LETTERED)
 
-#: Reasons the portable layer writes when a message ran out of attempts (mqabstract/broker.py).
+#: Reasons the portable layer writes when a message ran out of attempts
+#: (mqabstract/subscription.py).
 EXHAUSTED_PREFIXES = ("max attempts (", "nacked on final attempt (")
 
 #: Fault kinds: a holder killed (SIGKILL, a crash), frozen (SIGSTOP; ``until`` None: never
