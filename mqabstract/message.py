@@ -4,7 +4,8 @@ What a consumer holds: the delivery's fields, its decoded ``value``, request/rep
 properties, and ``ack`` / ``nack`` / ``dead_letter`` / ``extend`` under the one lease rule.
 The bookkeeping behind a settle (the driver call, the ordered-key gate, middleware
 notices) is its ``Subscription``'s; a message only decides whether it may still settle.
-Separate from ``subscription.py`` so that the consumer's object reads on its own.
+Separate from ``subscription.py``: it is what the application holds, and it names its
+subscription only as a type.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 dead-letter decision after ``max_attempts``, TTL, others' replies skipped); the ordered-key
 gate holds a key's later messages back on brokers that would hand them out early, its
 keeper thread renewing their leases; the settles ``Message`` asks for run here, with
-middleware told how they went (``_Settling``); and ``consume`` plus the per-message
-outcome that both consume loops (``consuming``, ``aio``) share. Separate from ``broker.py``:
-the consumer side holds its own state and never reaches the publish path.
+middleware told how they went (``_Settling``); ``consume`` runs the loop of ``consuming``
+on threads. Separate from ``broker.py``: the consumer side keeps its own state (unsettled
+messages, the gate, the keeper) and needs nothing of the publish path.
 """
 
 from __future__ import annotations
@@ -34,13 +34,7 @@ from .consuming import (
 from .dedupe import DedupeStore
 from .driver import DriverSubscription
 from .emulation.ordering import RETURN_PATIENCE, KeyGate
-from .errors import (
-    AlreadySettled,
-    Closed,
-    InvalidArgument,
-    LeaseExpired,
-    MQError,
-)
+from .errors import AlreadySettled, Closed, InvalidArgument, LeaseExpired, MQError
 from .guard import _Guard
 from .message import Message, _ran_out
 from .model import Delivery, GroupSpec
@@ -52,7 +46,6 @@ if TYPE_CHECKING:
     from .broker import Broker
 
 log = logging.getLogger("mqabstract")
-
 
 _EXPIRES_AT = wire.EXPIRES_AT
 _CORRELATION_ID = wire.CORRELATION_ID
