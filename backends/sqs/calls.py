@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import botocore.exceptions
+import botocore.parsers
 
 from mqabstract.errors import ConnectionFailed, MQError, NotFound, Timeout
 from mqabstract.url import BrokerURL, redact
@@ -68,6 +69,13 @@ class Calls:
         except botocore.exceptions.BotoCoreError as exc:
             raise ConnectionFailed(
                 f"sqs: {what} at {self._url.redacted()}: {redact(str(exc))}"
+            ) from exc
+        except botocore.parsers.ResponseParserError as exc:
+            # Not a BotoCoreError: the endpoint answered with something that is not an
+            # AWS response (moto's HTML 500 page for region=1e309, a proxy's error page).
+            raise ConnectionFailed(
+                f"sqs: {what} at {self._url.redacted()}: the endpoint's answer is not an "
+                f"SQS/SNS response: {redact(str(exc))[:300]}"
             ) from exc
 
     def client_error(self, what: str, exc: botocore.exceptions.ClientError) -> MQError:

@@ -58,6 +58,14 @@ def test_mqabstract_publish_is_readable_by_plain_boto3(url, mq, names) -> None:
     sqs.delete_message(QueueUrl=queue, ReceiptHandle=msg["ReceiptHandle"])
 
 
+def test_an_answer_that_is_not_an_aws_response_is_connection_failed(url) -> None:
+    """moto answers ``region=1e309`` with an HTML 500 page; botocore raises its
+    ResponseParserError, which is not a BotoCoreError: it escaped ``connect`` raw
+    (found by the fuzzed-options test)."""
+    with pytest.raises(mqabstract.ConnectionFailed, match="not an SQS/SNS response"):
+        mqabstract.connect(url + ("&" if "?" in url else "?") + "region=1e309").close()
+
+
 def test_binary_body_is_base64_with_a_flag(url, mq, names) -> None:
     group, root = names
     mq.declare(group, f"{root}.#")
