@@ -49,9 +49,9 @@ def kind(backend: str) -> str:
 #: evicted, and its partitions move, a third as late, so the scenarios wait a third as long
 #: for the same faults. The test brokers allow it (``group.min.session.timeout.ms=1000``,
 #: scripts/brokerctl.py); the conformance suite keeps the driver's defaults.
-FAULT_OPTIONS = {"kafka": "session_timeout_ms=2000&heartbeat_interval_ms=500"}
-#: The Kafka consumer session of the fault scenarios, in seconds (``FAULT_OPTIONS``).
-KAFKA_SESSION = 2.0
+KAFKA_SESSION = 2.0  # seconds; the heartbeat is a quarter of it (Kafka wants < a third)
+FAULT_OPTIONS = {"kafka": f"session_timeout_ms={int(KAFKA_SESSION * 1000)}"
+                          f"&heartbeat_interval_ms={int(KAFKA_SESSION * 250)}"}
 
 
 def with_client(backend: str, url: str) -> str:
