@@ -469,7 +469,7 @@ def snapshot(sub: mqabstract.Subscription) -> str:
     for name, value in sorted(vars(inner).items()) if inner is not None else ():
         if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
             with contextlib.suppress(Exception):
-                shown = sorted(map(str, value))[:8] if len(value) <= 8 else "…"
+                shown = sorted(map(str, value)) if len(value) <= 8 else "…"
                 lines.append(f"  {name}: {len(value)} {shown}")
                 continue
         if isinstance(value, (int, float, bool, str, type(None))):
