@@ -85,24 +85,28 @@ def test_frozen_holder_releases_within_lease_and_margin(backend: str, rel_url: s
     assert [e[0] for e in after] == ["EXPIRED"] * len(held), after
 
 
-#: Messages per chaos run. moto (the SQS stand-in) handles every call in Python with a scan
-#: of the queue and of the topic's subscriptions: 5,000 take it about 12 minutes on two
-#: cores, so CI runs 1,000 there; ``MQ_CHAOS_MESSAGES=5000 pytest tests/reliability/
-#: test_freeze.py -k chaos`` runs the full one.
-CHAOS_MESSAGES = {"sqs": 1000}
-#: Unacked messages the chaos keeps published ahead of the workers. moto's receive walks
-#: its whole queue (a receive of 10 took 0.6 s with 500 waiting), so a shallow queue there
-#: keeps the run short without fewer messages or faults.
-CHAOS_BACKLOG = {"sqs": 200}
-#: Upper bound of a worker's "processing" per message (uniform): short, so the run's
-#: length is set by its faults and leases rather than by sleeping workers (at 20 ms a
-#: 5,000-message run was ~17 s of sleep for three workers before any fault).
+#: Faults per chaos run: ``CHAOS_KILLS`` SIGKILLs and the rest freezes, in a random
+#: order on random workers. The run is defined by its faults, not by a message count:
+#: publishing keeps a backlog in front of the workers until the last fault, so every
+#: fault lands on busy holders, and the run lasts as long as its faults (a freeze lasts
+#: 0.3 to 1.5 leases) whatever the backend's speed. ``MQ_CHAOS_FAULTS=40`` runs a longer
+#: one.
+CHAOS_FAULTS = int(os.environ.get("MQ_CHAOS_FAULTS", "8"))
+CHAOS_KILLS = max(1, CHAOS_FAULTS * 3 // 8)
+#: Most messages one run publishes (a fast backend under a long run stops here and its
+#: remaining faults land on the backlog it still holds).
+CHAOS_MAX_MESSAGES = 20_000
+#: Unacked messages the chaos keeps published ahead of the workers, topped up every
+#: ``TOP_UP`` seconds: the holders stay busy, and the queue stays shallow. It must stay
+#: shallow: a released message goes back behind what is queued (RabbitMQ and Kafka
+#: re-publish it at the tail), and the checker's release rule times its next delivery, so
+#: behind a deep queue it is late by the queue's length (with 1,000 queued at ~150 a
+#: second, 7-11 s past lease + margin on RabbitMQ) while it was deliverable in time.
+CHAOS_BACKLOG = 100
+TOP_UP = 0.1
+#: Upper bound of a worker's "processing" per message (uniform): short, so the queue
+#: ahead of a released message empties fast.
 CHAOS_WORK = 0.004
-
-
-def _chaos_messages(backend: str) -> int:
-    env = os.environ.get("MQ_CHAOS_MESSAGES")
-    return int(env) if env else CHAOS_MESSAGES.get(kind(backend), 5000)
 #: Lease and max_attempts of the chaos run; ``MQ_CHAOS_LEASE=2 MQ_CHAOS_MAX_ATTEMPTS=3``
 #: sends about half the messages to the dead letters (each must be listed once). With a
 #: lease that short on a loaded host, receives that outlast it are dropped unseen but count
@@ -113,15 +117,15 @@ CHAOS_MAX_ATTEMPTS = int(os.environ.get("MQ_CHAOS_MAX_ATTEMPTS", "50"))
 
 @pytest.mark.backends(*PROCESS_BACKENDS)
 def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter) -> None:
-    """Three consumers work through 5,000 messages while, until they are done, one of
-    them is frozen (0.3 to 1.5 leases) or SIGKILLed and replaced every second or so;
-    nothing is lost and no attempt repeats."""
+    """Three consumers work through a steady backlog while one of them is frozen (0.3 to
+    1.5 leases) or SIGKILLed and replaced every second or so, ``CHAOS_FAULTS`` times
+    (``CHAOS_KILLS`` kills); then the rest is drained: nothing is lost and no attempt
+    repeats."""
     seed = seed_for("chaos")
     rng = random.Random(seed)
     tok = token("c")
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
     ledger = Ledger(max_attempts=CHAOS_MAX_ATTEMPTS, backend=backend)
-    total = _chaos_messages(backend)
 
     def start() -> Worker:
         return Worker("consume", rel_url, group, pattern, str(CHAOS_LEASE),
@@ -136,31 +140,36 @@ def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter)
         freezes = kills = 0
         try:
             workers = [start() for _ in range(3)]
-            limit = time.monotonic() + 600
-            progress, still = -1, 0
-            # Chaos until the workers have acked everything (or stall: then drain here).
-            while time.monotonic() < limit and (still < 3 or freezes < 3 or kills < 2):
-                acked = {e[1] for w in (*workers, *ended) for e in w.events()
-                         if e[0] == "ACKED"}
-                done = len(acked) >= total
-                if done and freezes >= 3 and kills >= 2:
-                    break  # (a fast backend finishes early: the chaos still happens)
-                # Publishing goes on during the chaos, keeping a backlog (CHAOS_BACKLOG).
-                backlog = CHAOS_BACKLOG.get(kind(backend), 1000)
-                while (len(ledger.expected) < total
-                       and len(ledger.expected) - len(acked) < backlog):
-                    _publish(mq, topic, tok, min(250, backlog, total - len(ledger.expected)),
-                             ledger,
-                             first=len(ledger.expected))
-                stalled = (not done and len(acked) == progress
-                           and len(ledger.expected) >= total)
-                still = still + 1 if stalled else 0
-                progress = len(acked)
-                time.sleep(rng.uniform(0.5, 1.5))
+            began = time.monotonic()
+            plan = ["kill"] * CHAOS_KILLS + ["freeze"] * (CHAOS_FAULTS - CHAOS_KILLS)
+            rng.shuffle(plan)
+
+            seen: dict[int, int] = {}  # worker pid -> its lines already counted
+            acked: set[str] = set()
+
+            def top_up() -> None:
+                """Publishing goes on during the chaos, keeping the backlog full."""
+                for w in (*workers, *ended):
+                    lines = w.lines[seen.get(w.proc.pid, 0):]
+                    seen[w.proc.pid] = seen.get(w.proc.pid, 0) + len(lines)
+                    acked.update(ln.split()[1] for ln in lines if ln.startswith("ACKED "))
+                while (len(ledger.expected) < CHAOS_MAX_MESSAGES
+                       and len(ledger.expected) - len(acked) < CHAOS_BACKLOG):
+                    _publish(mq, topic, tok, CHAOS_BACKLOG, ledger, first=len(ledger.expected))
+
+            def busy(seconds: float) -> None:
+                """Sleep ``seconds`` while keeping the backlog topped up."""
+                until = time.monotonic() + seconds
+                while (left := until - time.monotonic()) > 0:
+                    top_up()
+                    time.sleep(min(TOP_UP, left))
+
+            for fault in plan:
+                busy(rng.uniform(0.5, 1.5))
                 i = rng.randrange(len(workers))
-                if rng.random() < 0.7:
+                if fault == "freeze":
                     workers[i].freeze()
-                    time.sleep(rng.uniform(0.3, 1.5) * CHAOS_LEASE)
+                    busy(rng.uniform(0.3, 1.5) * CHAOS_LEASE)  # the other two go on
                     workers[i].thaw()
                     freezes += 1
                 else:
@@ -168,19 +177,27 @@ def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter)
                     ended.append(workers[i])
                     workers[i] = start()
                     kills += 1
+            chaos_s = time.monotonic() - began
             for w in workers:
                 w.kill()
                 ended.append(w)
             feed(ledger, *ended)  # merged in time order: the workers ran side by side
+            left = len(set(ledger.expected) - ledger.acked)
+            began = time.monotonic()
             with mq.subscribe(group, pattern, lease=CHAOS_LEASE,
                               max_attempts=CHAOS_MAX_ATTEMPTS) as sub:
-                drain(sub, ledger, QUIET[kind(backend)] + CHAOS_LEASE, 120, set(ledger.expected))
+                # (an ack that a kill cut short may have landed: such an id need not
+                # come back, and waiting for it would run the drain to its limit)
+                drain(sub, ledger, QUIET[kind(backend)] + CHAOS_LEASE, 120,
+                      set(ledger.expected) - ledger.history.in_doubt())
             collect_dead(mq, group, ledger)
+            drain_s = time.monotonic() - began
         finally:
             for w in workers:
                 if w.proc.poll() is None:
                     w.kill()
             cleanup(mq, group)
     _check(ledger, reporter, release_margin=margin, scenario="chaos: SIGSTOP + SIGKILL",
-           backend=backend, kills=freezes + kills, freezes=freezes, seed=seed)
+           backend=backend, kills=freezes + kills, freezes=freezes, seed=seed,
+           chaos_s=round(chaos_s, 1), drained=left, drain_s=round(drain_s, 1))
     assert freezes and kills, f"only {freezes} freezes and {kills} kills: no chaos"
