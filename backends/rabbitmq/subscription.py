@@ -1,4 +1,4 @@
-"""A RabbitMQ group's consumer side: delivered messages, receipts and the subscription."""
+"""A RabbitMQ group's consumer side: receipts and the subscription."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import pika
 import pika.exceptions as pex
 
-from mqabstract import wire
 from mqabstract.driver import DriverSubscription
 from mqabstract.emulation import LeaseTable, dead_headers
 from mqabstract.errors import (
@@ -31,7 +30,7 @@ from mqabstract.url import redact
 
 from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Pending
 from .watchdog import _WATCH_GRACE, _WATCH_LIVE, _WATCH_SLACK, _WATCH_STEP, _socket_cut, _Watchdog
-from .wire import _BROKER_HEADERS, H_DUE, H_TOPIC, _copy_props
+from .wire import H_DUE, H_TOPIC, _copy_props, _Raw
 
 if TYPE_CHECKING:
     from .driver import RabbitMQDriver
@@ -40,47 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mqabstract.rabbitmq")
 
 _CHANNEL_GEN = itertools.count(1)
-
-# ----------------------------------------------------------------------------------------
-# consumer side
-
-
-class _Raw:
-    """A message as the broker delivered it to our channel, before the user saw it."""
-
-    __slots__ = ("_decoded", "body", "gen", "props", "redelivered", "routing_key", "tag")
-
-    def __init__(self, gen: int, tag: int, redelivered: bool, routing_key: str,
-                 props: Any, body: bytes) -> None:
-        self.gen = gen
-        self.tag = tag
-        self.redelivered = redelivered
-        self.routing_key = routing_key
-        self.props = props
-        self.body = body
-        self._decoded: tuple[dict[str, str], wire.Fields] | None = None
-
-    def decoded(self) -> tuple[dict[str, str], wire.Fields]:
-        """(user headers, wire fields) of its AMQP headers, decoded once."""
-        d = self._decoded
-        if d is None:
-            headers, meta = wire.split((self.props.headers or {}).items(), _BROKER_HEADERS)
-            d = self._decoded = (headers, wire.read(meta))
-        return d
-
-    def so_far(self) -> int:
-        """Deliveries so far: those written down plus those the broker counted itself."""
-        count = (self.props.headers or {}).get("x-delivery-count")
-        if count is not None:
-            return self.decoded()[1].attempt + int(count)
-        return self.decoded()[1].attempt + (1 if self.redelivered else 0)
-
-    def attempt(self) -> int:
-        """This delivery's attempt."""
-        return self.so_far() + 1
-
-    def due(self) -> float | None:
-        return self.decoded()[1].deliver_at
 
 
 class RabbitMQSubscription(DriverSubscription):
