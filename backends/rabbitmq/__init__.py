@@ -29,10 +29,12 @@ Mapping (details and trade-offs in ``docs/backends/rabbitmq.md``):
   they are deliverable again within ``RELEASE_MARGIN`` of that deadline.
 * Declarations, dead-letter list/replay/purge and stats use a second, blocking connection.
 
-Modules: ``wire`` (header and queue names, delay tiers, property copies), ``io`` (pika
-publisher confirms, blocking publisher and admin connections, the I/O thread), ``watchdog``
-(the lease watchdog process), ``subscription`` (``RabbitMQSubscription``), ``driver``
-(``RabbitMQDriver``).
+Modules, each importing only those before it: ``wire`` (header and queue names, delay
+tiers, property copies, a delivered message), ``io`` (pika publisher confirms, blocking
+publisher and admin connections, the I/O thread), ``watchdog`` (the lease watchdog
+process), ``holdings`` (what a subscription's two threads share), ``consumer`` (a
+subscription's consumer link on the I/O thread), ``subscription`` (``RabbitMQSubscription``,
+the callers' side), ``driver`` (``RabbitMQDriver``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from mqabstract.options import Option, parse_options
 from mqabstract.url import BrokerURL, redact
 
 from .io import _Admin, _describe, _Item, _Link, _Publisher
-from .subscription import RabbitMQSubscription, _Raw
+from .subscription import RabbitMQSubscription
 from .watchdog import RELEASE_MARGIN, _Watchdog
 from .wire import (
     _BROKER_HEADERS,
@@ -44,6 +44,7 @@ from .wire import (
     _expiration,
     _props_with,
     _queue_name,
+    _Raw,
 )
 
 log = logging.getLogger("mqabstract.rabbitmq")

@@ -1,5 +1,6 @@
 """The driver's native pika I/O: publisher confirms, the blocking publisher and admin
-connections, and the I/O thread (``_Link``) that runs every subscription's connection."""
+connections, and the I/O thread (``_Link``) that runs every subscription's connection
+(each one's consumer link is ``consumer._Consumer``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pika
 import pika.exceptions as pex
@@ -24,10 +25,6 @@ from mqabstract.errors import (
     NotFound,
 )
 from mqabstract.url import redact
-
-if TYPE_CHECKING:
-    from .subscription import RabbitMQSubscription
-
 
 log = logging.getLogger("mqabstract.rabbitmq")
 
@@ -329,6 +326,16 @@ class _Publisher:
 # the I/O thread
 
 
+class _Member(Protocol):
+    """A subscription's consumer link (``consumer._Consumer``) as the I/O thread knows it:
+    ticked every _TICK on this thread, closed (from another thread) with the driver. A
+    protocol, so this module need not import the consumer's, which imports it."""
+
+    def tick(self, now: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _Link:
     """The I/O thread: a pika IOLoop that runs every subscription's own ``SelectConnection``
     and a lease tick. Everything touching those pika objects runs on this thread; other
@@ -339,7 +346,7 @@ class _Link:
         self.where = where
         self.ioloop = IOLoop()
         self.closing = False
-        self.subs: set[RabbitMQSubscription] = set()
+        self.subs: set[_Member] = set()  # every open subscription's consumer link
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mqabstract-rabbitmq-io",
                                         daemon=True)
@@ -379,7 +386,7 @@ class _Link:
         now = time.monotonic()
         for sub in list(self.subs):
             try:
-                sub._io_tick(now)
+                sub.tick(now)
             except Exception:
                 log.exception("rabbitmq lease tick failed")
         if not self.closing:

@@ -38,7 +38,7 @@ log = logging.getLogger("mqabstract.rabbitmq")
 # releases expired leases every _TICK), the watchdog shuts the socket down: the broker sees
 # the connection close and requeues what it held. A woken process checks whether its
 # socket was cut before it hands out anything it had buffered or settles anything (see
-# ``RabbitMQSubscription._sync_locked``): pika may run a few callbacks before it reads the
+# ``_Holdings.sync_locked`` in holdings.py): pika may run a few callbacks before it reads the
 # closed socket.
 # The watchdog exits when the application's process does (a pipe reaches end of file).
 

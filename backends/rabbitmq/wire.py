@@ -1,5 +1,6 @@
-"""RabbitMQ wire format: header names, queue names, delay tiers, limits and the
-property copies the driver re-publishes. Pure functions: no I/O, any thread."""
+"""RabbitMQ wire format: header names, queue names, delay tiers, limits, the
+property copies the driver re-publishes and a delivered message as read off the wire
+(``_Raw``, which the driver and its subscriptions both use). No I/O, any thread."""
 
 from __future__ import annotations
 
@@ -124,3 +125,41 @@ def _dead_headers(props: Any) -> dict[str, Any]:
     if H_TOPIC not in own and keys:
         own[H_TOPIC] = wire.text(keys[0])
     return own
+
+
+class _Raw:
+    """A message as the broker delivered it to our channel, before the user saw it."""
+
+    __slots__ = ("_decoded", "body", "gen", "props", "redelivered", "routing_key", "tag")
+
+    def __init__(self, gen: int, tag: int, redelivered: bool, routing_key: str,
+                 props: Any, body: bytes) -> None:
+        self.gen = gen
+        self.tag = tag
+        self.redelivered = redelivered
+        self.routing_key = routing_key
+        self.props = props
+        self.body = body
+        self._decoded: tuple[dict[str, str], wire.Fields] | None = None
+
+    def decoded(self) -> tuple[dict[str, str], wire.Fields]:
+        """(user headers, wire fields) of its AMQP headers, decoded once."""
+        d = self._decoded
+        if d is None:
+            headers, meta = wire.split((self.props.headers or {}).items(), _BROKER_HEADERS)
+            d = self._decoded = (headers, wire.read(meta))
+        return d
+
+    def so_far(self) -> int:
+        """Deliveries so far: those written down plus those the broker counted itself."""
+        count = (self.props.headers or {}).get("x-delivery-count")
+        if count is not None:
+            return self.decoded()[1].attempt + int(count)
+        return self.decoded()[1].attempt + (1 if self.redelivered else 0)
+
+    def attempt(self) -> int:
+        """This delivery's attempt."""
+        return self.so_far() + 1
+
+    def due(self) -> float | None:
+        return self.decoded()[1].deliver_at

@@ -554,13 +554,13 @@ def test_a_pause_hands_back_deliveries_on_the_wire_uncounted(mq: mqabstract.Brok
             class PauseAtFirstDelivery(threading.Condition):
                 def notify(self, n: int = 1) -> None:  # on the I/O thread, in on_message
                     super().notify(n)
-                    if inner._cancelling:  # type: ignore[attr-defined]
+                    if inner._io._cancelling:  # type: ignore[attr-defined]
                         while_cancelling.append(1)
                     if not pausing.is_set():
                         pausing.set()
-                        inner._io_pause()  # type: ignore[attr-defined]
+                        inner._io.pause()  # type: ignore[attr-defined]
 
-            inner._cond = PauseAtFirstDelivery(inner._lock)  # type: ignore[attr-defined]
+            inner._held.cond = PauseAtFirstDelivery(inner._held.lock)  # type: ignore[attr-defined]
             got = _drain(sub, count, ack=True)
             assert pausing.is_set()
             assert sorted(m.id for m in got) == sorted(f"{token}-{i}" for i in range(count))
@@ -589,10 +589,10 @@ def test_a_receive_that_restarts_an_idle_consumer_is_not_paused_at_once(
             with pytest.raises(mqabstract.LeaseExpired):
                 msg.nack()
             # paused (idle), and the copy of the expired message is in the queue
-            _until(lambda: not inner._want and inner._inflight == 0
-                   and inner._leases.next_deadline() is None)
+            _until(lambda: not inner._held.want and inner._held.inflight == 0
+                   and inner._held.leases.next_deadline() is None)
             pauses: list[int] = []
-            pause = inner._io_pause
+            pause = inner._io.pause
             call = inner._link.call
 
             def counted(*args: Any) -> None:
@@ -607,15 +607,15 @@ def test_a_receive_that_restarts_an_idle_consumer_is_not_paused_at_once(
                 def both() -> None:
                     try:
                         fn()
-                        if fn == inner._io_start:
-                            inner._io_tick(time.monotonic())
+                        if fn == inner._io.start:
+                            inner._io.tick(time.monotonic())
                     finally:
                         ran.set()
 
                 call(both)
                 assert ran.wait(10)
 
-            monkeypatch.setattr(inner, "_io_pause", counted)
+            monkeypatch.setattr(inner._io, "pause", counted)
             monkeypatch.setattr(inner._link, "call", start_then_tick)
             [again] = _drain(sub, 1)
             assert (again.id, again.attempt) == (mid, 2)
@@ -636,9 +636,9 @@ def _cut_at_original_ack(inner: Any, monkeypatch: pytest.MonkeyPatch) -> list[in
     real_ack = pika.channel.Channel.basic_ack
 
     def ack(ch: Any, delivery_tag: int = 0, multiple: bool = False) -> None:
-        if not cut and ch is inner._ch:
+        if not cut and ch is inner._io.ch:
             cut.append(delivery_tag)
-            inner._conn._transport._sock.shutdown(socket.SHUT_RDWR)
+            inner._io.conn._transport._sock.shutdown(socket.SHUT_RDWR)
             return
         real_ack(ch, delivery_tag, multiple)
 
@@ -693,7 +693,7 @@ def test_a_cut_between_copy_and_ack_never_sends_attempts_back(
             seen = [(first.id, first.attempt)]
             if path == "pause":  # the other four wait in the buffer, unread
                 first.ack()
-                _until(lambda: not inner._acks)
+                _until(lambda: not inner._held.acks)
                 cut = _cut_at_original_ack(inner, monkeypatch)
                 _until(lambda: bool(cut))  # idle: paused, buffer handed back
             elif path == "expiry":

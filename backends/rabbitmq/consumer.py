@@ -1,0 +1,514 @@
+"""A RabbitMQ subscription's consumer link: the part of a subscription that runs on the
+driver's I/O thread (``io._Link``), apart from the caller-thread side in ``subscription``,
+because pika's connections are single-threaded and all of this touches them."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pika
+import pika.exceptions as pex
+
+from mqabstract.errors import NotFound
+from mqabstract.model import GroupSpec
+from mqabstract.url import redact
+
+from .holdings import _Holdings
+from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Link, _Pending
+from .wire import _Raw
+
+log = logging.getLogger("mqabstract.rabbitmq")
+
+_CHANNEL_GEN = itertools.count(1)
+
+#: the driver's copy of a delivered message for a queue (``RabbitMQDriver._retry_item``):
+#: (message, queue, deliveries so far, due or None) -> its publish
+_RetryItem = Callable[[_Raw, str, int, float | None], _Item]
+
+
+class _Consumer:
+    """One subscription's consumer on the I/O thread: a ``SelectConnection`` of its own
+    (closing it hands back exactly this subscription's messages; it reconnects after a
+    loss), the consumer channel in AMQP transaction mode, a confirm channel for copies into
+    other queues, the lease tick, and pausing when nobody receives. Its messages, leases
+    and watchdog reports are the ``_Holdings`` it shares with the caller side.
+
+    Concurrency: every method runs on the ``_Link`` I/O thread (other threads hand them to
+    it with ``link.call``), except ``close``, which any other thread calls. Settles and
+    copies go out in the consumer channel's transactions (``_pump``): a copy into the
+    group's own queue and its original's ack commit together; a copy into another queue
+    is confirmed first on the copy channel and its original acked in the next transaction.
+    """
+
+    def __init__(self, link: _Link, held: _Holdings, spec: GroupSpec, queue: str,
+                 prefetch: int, publish_timeout: float, retry_item: _RetryItem) -> None:
+        self._link = link
+        self._held = held
+        self.spec = spec
+        self.queue = queue
+        self._prefetch = prefetch
+        self._publish_timeout = publish_timeout
+        self._retry_item = retry_item
+        self.conn: Any = None  # this subscription's SelectConnection, when there is one
+        self._failures = 0
+        self._retry: Any = None  # reconnect timer
+        self._close_done: threading.Event | None = None
+        self.ch: Any = None
+        self._ctag: str | None = None
+        self._cancelling = False
+        self._idle = min(1.0, max(0.2, spec.lease / 2))
+        # The consumer channel's transactions (``_pump``): what the next one publishes
+        # and acks, what to run when it is committed (True) or its channel goes first
+        # (False); the channel whose tx.commit is unanswered and what that one runs then.
+        self._tx_copies: list[tuple[_Raw, _Item]] = []
+        self._tx_acks: list[int] = []
+        self._tx_requeues: list[int] = []
+        self._tx_then: list[Callable[[bool], None]] = []
+        self._tx_busy: Any = None
+        self._tx_busy_then: list[Callable[[bool], None]] = []
+        self._pub_ch: Any = None  # confirm channel for copies into other queues
+        self._confirms = _Confirms()
+        link.subs.add(self)
+
+    # -- the watchdog ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Give the watchdog this connection's socket (again after a restart)."""
+        conn = self.conn
+        sock = getattr(getattr(conn, "_transport", None), "_sock", None)
+        if conn is None or not conn.is_open or sock is None:
+            return
+        self._held.watch(sock)
+
+    # -- connection and channels -----------------------------------------------------------
+    def start(self) -> None:
+        if self._held.closed:
+            return
+        self._held.want = True
+        if self._cancelling:
+            return  # restarted when the cancel completes
+        conn = self.conn
+        if conn is None:
+            if self._retry is None:
+                self._connect()
+            return
+        if not conn.is_open:
+            return  # _conn_open continues
+        if self.ch is None:
+            self.ch = "opening"
+            conn.channel(on_open_callback=self._channel_open)
+        elif self.ch != "opening" and self._ctag is None:
+            self._consume()
+
+    def _connect(self) -> None:
+        self._retry = None
+        if self._held.closed or self._link.closing or self.conn is not None:
+            return
+        params = self._link.params[self._failures % len(self._link.params)]
+        try:
+            self.conn = pika.SelectConnection(
+                params,
+                on_open_callback=self._conn_open,
+                on_open_error_callback=self._conn_failed,
+                on_close_callback=self._conn_closed,
+                custom_ioloop=self._link.ioloop,
+            )
+        except Exception as exc:
+            self._held.lost_why = redact(_describe(exc))
+            self._reconnect_later()
+
+    def _reconnect_later(self) -> None:
+        if self._held.closed or self._link.closing:
+            return
+        self._failures += 1
+        pause = min(5.0, 0.1 * 2 ** min(self._failures, 6))
+        self._retry = self._link.ioloop.call_later(pause, self._reconnect)
+
+    def _reconnect(self) -> None:
+        self._retry = None
+        if self._held.want and not self._held.closed:
+            self._connect()
+
+    def _conn_open(self, conn: Any) -> None:
+        if conn is not self.conn:
+            return
+        self._failures = 0
+        if self._held.closed:
+            with contextlib.suppress(Exception):
+                conn.close()
+            return
+        self._watch()
+        # Copies into other queues go out on this connection, so a copy whose original
+        # cannot be acked (the connection died) was not sent either.
+        conn.channel(on_open_callback=self._pub_open)
+        if self._held.want:
+            self.start()
+
+    def _pub_open(self, ch: Any) -> None:
+        if self._held.closed or self.conn is None or not self.conn.is_open:
+            with contextlib.suppress(Exception):
+                ch.close()
+            return
+        ch.add_on_close_callback(self._pub_closed)
+        self._confirms.reset()
+        ch.add_on_return_callback(self._confirms.on_return)
+        ch.confirm_delivery(self._confirms.on_confirm,
+                            callback=lambda _frame: setattr(self, "_pub_ch", ch))
+
+    def _pub_closed(self, ch: Any, reason: BaseException) -> None:
+        if self._pub_ch is ch or self._pub_ch is None:
+            self._pub_ch = None
+            self._confirms.reset()
+        conn = self.conn
+        if not self._held.closed and conn is not None and conn.is_open:
+            log.warning("rabbitmq copy channel closed (%s); reopening",
+                        redact(_describe(reason)))
+            conn.channel(on_open_callback=self._pub_open)
+
+    def _send(self, items: Sequence[_Item], pend: _Pending) -> None:
+        """Publish ``items`` on our confirm channel; ``pend`` learns each one's fate."""
+        ch = self._pub_ch
+        self._confirms.send(
+            ch.basic_publish if ch is not None else None, items, pend,
+            lambda: self._pub_ch is ch and ch is not None and ch.is_open,
+        )
+
+    def _conn_failed(self, conn: Any, err: BaseException) -> None:
+        if conn is not self.conn:
+            return
+        self.conn = None
+        self._held.lost_why = redact(_describe(err))
+        log.warning("rabbitmq consumer of group %r cannot connect to %s (%s); retrying",
+                    self.spec.name, self._link.where, self._held.lost_why)
+        self._reconnect_later()
+
+    def _conn_closed(self, conn: Any, reason: BaseException) -> None:
+        if conn is not self.conn:
+            return
+        self.conn = None
+        self._held.lost_why = redact(_describe(reason))
+        self._lost()
+        self._held.unwatch()
+        if self._held.closed:
+            if self._close_done is not None:
+                self._close_done.set()
+            return
+        log.warning("rabbitmq consumer connection of group %r to %s lost (%s); reconnecting",
+                    self.spec.name, self._link.where, self._held.lost_why)
+        self._reconnect_later()
+
+    def _channel_open(self, ch: Any) -> None:
+        if self._held.closed:
+            ch.close()
+            return
+        self.ch = ch
+        self._held.ch_gen = next(_CHANNEL_GEN)
+        ch.add_on_close_callback(self._channel_closed)
+        ch.add_on_return_callback(self._returned)
+        ch.basic_qos(prefetch_count=self._prefetch)
+        # Transaction mode: a copy and its original's ack (and any ack) take effect at the
+        # next tx.commit (``_pump``). pika sends the consume after select-ok.
+        ch.tx_select()
+        if self._held.want:
+            self._consume()
+
+    def _consume(self) -> None:
+        ch = self.ch
+        held = self._held
+        gen = held.ch_gen
+
+        def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            raw = _Raw(gen, method.delivery_tag, method.redelivered, method.routing_key,
+                       props, body)
+            with held.cond:
+                if gen <= held.cut_gen:
+                    return  # read after the watchdog cut the socket: the broker has it
+                heapq.heappush(held.buf, (-(props.priority or 0), next(held.seq), raw))
+                held.cond.notify()
+
+        self._ctag = ch.basic_consume(self.queue, on_message)
+        # Every delivery on this channel is for our consumer, also one that arrives between
+        # our basic.cancel (a pause or close) and its cancel-ok: the buffer takes it and the
+        # pause hands it back by copy, its attempt unchanged. pika would reject it itself
+        # (requeue), and the broker counts that as a delivery (quorum: x-delivery-count + 1;
+        # classic: flagged redelivered): its next delivery would skip an attempt that nobody
+        # saw. pika 1.x hands each assembled delivery to the channel's ``_on_deliver``;
+        # replaced on this channel object only (again by the next consume, not stacked).
+        ch._on_deliver = lambda frame, header, content: on_message(
+            ch, frame.method, header.properties, content)
+
+    def _channel_closed(self, ch: Any, reason: BaseException) -> None:
+        if ch is not self.ch:
+            return
+        self.ch = None
+        self._ctag = None
+        self._cancelling = False
+        self._held.lost_why = redact(_describe(reason))
+        self._fail_commits()
+        self._forget()
+        if self._held.closed:
+            return
+        code = getattr(reason, "reply_code", 0)
+        if code == 404:
+            self._held.set_error(NotFound(f"group {self.spec.name!r} does not exist (its "
+                                          "queue was deleted)"))
+        elif code not in (0, 200, 320) and self._held.want:
+            log.warning("rabbitmq consumer channel closed: %s", self._held.lost_why)
+            self._link.ioloop.call_later(0.5, self.start)
+
+    def _lost(self) -> None:
+        self.ch = None
+        self._ctag = None
+        self._cancelling = False
+        self._pub_ch = None
+        self._confirms.reset()
+        self._fail_commits()
+        self._forget()
+
+    def _forget(self) -> None:
+        with self._held.cond:
+            self._held.forget_locked()
+
+    def _usable_ch(self) -> Any:
+        ch = self.ch
+        conn = self.conn
+        if (ch is None or ch == "opening" or not ch.is_open or conn is None
+                or not conn.is_open):
+            return None
+        return ch
+
+    # -- the consumer channel's transactions -----------------------------------------------
+    def flush_acks(self) -> None:
+        held = self._held
+        with held.lock:
+            acks, held.acks = held.acks, []
+        if self._usable_ch() is None:
+            return
+        gen = held.ch_gen
+        self._tx_acks += [tag for g, tag in acks if g == gen]
+        self._pump()
+
+    def _pump(self) -> None:
+        """Send what waits for the consumer channel's next transaction (copies with their
+        originals' acks, then acks) and its tx.commit, unless a commit is unanswered:
+        RabbitMQ closes the connection on a publish or ack that arrives while it commits
+        (504, "unexpected command while processing 'tx.commit'"); those wait, and go
+        together, in the next one. So a copy and its original's ack take effect together
+        or not at all, whatever is cut when."""
+        ch = self._usable_ch()
+        if ch is None:
+            self._fail_commits()
+            return
+        if self._tx_busy is not None or not (self._tx_copies or self._tx_acks
+                                             or self._tx_requeues):
+            return
+        copies, self._tx_copies = self._tx_copies, []
+        acks, self._tx_acks = self._tx_acks, []
+        requeues, self._tx_requeues = self._tx_requeues, []
+        then, self._tx_then = self._tx_then, []
+        try:
+            for raw, item in copies:
+                ch.basic_publish(item.exchange, item.routing_key, item.body, item.props,
+                                 mandatory=item.must_route)
+                ch.basic_ack(raw.tag)
+            for tag in sorted(acks):
+                ch.basic_ack(tag)
+            for tag in requeues:
+                ch.basic_nack(tag, requeue=True)
+            ch.tx_commit(callback=lambda _frame: self._committed(ch))
+        except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: nothing committed
+            log.debug("rabbitmq: transaction not sent: %s", exc)
+            for fn in then:
+                fn(False)
+            return
+        self._tx_busy, self._tx_busy_then = ch, then
+
+    def _committed(self, ch: Any) -> None:
+        if self._tx_busy is not ch:
+            return
+        then, self._tx_busy, self._tx_busy_then = self._tx_busy_then, None, []
+        for fn in then:
+            fn(True)
+        self._pump()
+
+    def _fail_commits(self) -> None:
+        """The consumer channel is gone: its transactions did not take effect (unless the
+        broker committed the last one just before and its answer was lost); what waited
+        for the next one goes with it (the broker delivers those originals again)."""
+        then = self._tx_busy_then + self._tx_then
+        self._tx_busy, self._tx_busy_then, self._tx_then = None, [], []
+        self._tx_copies, self._tx_acks, self._tx_requeues = [], [], []
+        for fn in then:
+            fn(False)
+
+    def _returned(self, _ch: Any, method: Any, props: Any, _body: bytes) -> None:
+        log.warning("rabbitmq: a copy of message %s for %r was unroutable and is dropped "
+                    "(its queue is gone)", props.message_id, method.routing_key)
+
+    def copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
+                      then: Callable[[bool | None], None] | None = None,
+                      returned_ok: bool = True) -> None:
+        """Publish each copy and ack its original; ``then(True)`` once every original's ack
+        is committed, ``then(False)`` if not (the channel went: the broker delivers those
+        again), ``then(None)`` when a copy came back unroutable and ``returned_ok`` is
+        false (its original is requeued). Copies into the group's own queue commit with
+        their originals' acks; copies into another queue are confirmed first
+        (``_copy_away``). Originals of an earlier channel are gone with it: no copy."""
+        gen = self._held.ch_gen
+        live = ([(raw, item) for raw, item in copies if raw.gen == gen]
+                if self._usable_ch() is not None else [])
+        if not live:
+            if then is not None:
+                then(False)
+            return
+        here = [c for c in live if c[1].exchange == "" and c[1].routing_key == self.queue]
+        away = [c for c in live if not (c[1].exchange == "" and c[1].routing_key == self.queue)]
+        results: list[bool | None] = []
+        parts = (1 if here else 0) + (1 if away else 0)
+
+        def part(ok: bool | None) -> None:
+            results.append(ok)
+            if len(results) == parts and then is not None:
+                then(None if None in results else all(results))
+
+        if here:
+            self._tx_copies += here
+            self._tx_then.append(part)
+            self._pump()
+        if away:
+            self._copy_away(away, part, returned_ok)
+
+    def _copy_away(self, copies: list[tuple[_Raw, _Item]],
+                   then: Callable[[bool | None], None], returned_ok: bool) -> None:
+        """Copies into another queue: confirmed on the copy channel, then their originals
+        acked (requeued if not confirmed) in the next transaction."""
+        gen = self._held.ch_gen
+
+        def done(pend: _Pending) -> None:
+            good = set(pend.acked) | (set(pend.returned) if returned_ok else set())
+            if self._usable_ch() is None or gen != self._held.ch_gen:
+                then(False)  # the originals are gone with their channel
+                return
+            self._tx_acks += [copies[j][0].tag for j in sorted(good)]
+            self._tx_requeues += [copies[j][0].tag for j in range(len(copies))
+                                  if j not in good]
+            returned = bool(pend.returned) and not returned_ok
+            self._tx_then.append(lambda ok: then(
+                None if ok and returned else ok and len(good) == len(copies)))
+            self._pump()
+
+        self._send([c[1] for c in copies], _Pending(len(copies), done))
+
+    def _when_committed(self, fn: Callable[[], None], tries: int = 0) -> None:
+        """``fn()`` once no transaction of the consumer channel is unanswered (at most
+        ``publish_timeout``): closing the channel before would drop its acks."""
+        if self._tx_busy is not None and tries * 0.01 < self._publish_timeout:
+            self._link.ioloop.call_later(0.01, lambda: self._when_committed(fn, tries + 1))
+            return
+        fn()
+
+    # -- the lease tick, pausing and closing -----------------------------------------------
+    def tick(self, now: float) -> None:
+        held = self._held
+        with held.lock:
+            expired = held.leases.expired()
+            if expired and self.spec.ordered:
+                held.expect_locked([raw.props.message_id for raw, _ in expired], 0.0)
+            idle = (self._ctag is not None and not self._cancelling and held.receiving == 0
+                    and now - held.last_receive > self._idle
+                    and not (self.spec.ordered and held.keeps_turn_locked(now)))
+            held.inflight += len(expired)
+            held.report_locked(now)
+            watch = held.dog is None or not held.dog.alive
+        if watch and self.conn is not None and self.conn.is_open:
+            self._watch()
+        if expired:
+            self.copy_then_ack(
+                [(raw, self._retry_item(raw, self.queue, attempt, 0.0))
+                 for raw, attempt in expired],
+                lambda _ok: held.release_done(len(expired)),
+            )
+        if idle:
+            self.pause()
+
+    def pause(self, then: Callable[[], None] | None = None) -> None:
+        """Stop consuming and hand the unread buffer back to the queue."""
+        ch, ctag = self.ch, self._ctag
+        held = self._held
+        held.want = False
+        if ch is None or ch == "opening" or ctag is None or not ch.is_open:
+            if then is not None:
+                then()
+            return
+        self._cancelling = True
+
+        def cancelled(_frame: Any) -> None:
+            self._ctag = None
+            self._cancelling = False
+            with held.lock:
+                buf, held.buf = held.buf, []
+            raws = [raw for _, _, raw in sorted(buf) if raw.gen == held.ch_gen]
+
+            def after(_committed: bool | None) -> None:
+                if held.want and not held.closed:
+                    self.start()
+                if then is not None:
+                    then()
+
+            self.copy_then_ack(
+                [(raw, self._retry_item(raw, self.queue, raw.so_far(), None))
+                 for raw in raws],
+                after,
+            )
+
+        ch.basic_cancel(ctag, callback=cancelled)
+
+    def _shut(self, done: threading.Event) -> None:
+        """Pause (the unread buffer handed back), send the acks, and once committed close
+        the connection; ``done`` is set when it closed."""
+        def flush() -> None:
+            self.flush_acks()
+            self._when_committed(finish)
+
+        def finish() -> None:
+            self._held.want = False
+            self._link.subs.discard(self)
+            self._held.unwatch()
+            if self._retry is not None:
+                with contextlib.suppress(Exception):
+                    self._link.ioloop.remove_timeout(self._retry)
+                self._retry = None
+            conn = self.conn
+            if conn is not None and (conn.is_open or conn.is_opening):
+                self._close_done = done
+                try:
+                    conn.close()  # _conn_closed sets done
+                    return
+                except Exception as exc:
+                    log.debug("rabbitmq: closing a consumer connection: %s", exc)
+            done.set()
+
+        if self._cancelling:
+            self._link.ioloop.call_later(0.05, lambda: self._shut(done))
+            return
+        self.pause(flush)
+
+    def close(self) -> None:
+        """(any thread but the I/O thread) Close the subscription: wake its receivers, and
+        have the I/O thread shut this consumer down, waiting up to ``publish_timeout``."""
+        held = self._held
+        if held.closed:
+            return
+        held.closed = True
+        with held.cond:
+            held.cond.notify_all()
+        done = threading.Event()
+        if self._link._thread.is_alive() and not self._link.closing:
+            self._link.call(lambda: self._shut(done))
+            done.wait(self._publish_timeout)
+        self._link.subs.discard(self)
