@@ -464,16 +464,24 @@ def snapshot(sub: mqabstract.Subscription) -> str:
     reproduce on demand still says where the consumer stood (diagnostic only)."""
     import traceback
 
-    lines = []
+    lines: list[str] = []
+
+    def fields(obj: object, prefix: str, depth: int) -> None:
+        for name, value in sorted(vars(obj).items()):
+            if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
+                with contextlib.suppress(Exception):
+                    shown = sorted(map(str, value)) if len(value) <= 8 else "…"
+                    lines.append(f"  {prefix}{name}: {len(value)} {shown}")
+                    continue
+            if isinstance(value, (int, float, bool, str, type(None))):
+                lines.append(f"  {prefix}{name}: {value!r}"[:200])
+            elif depth and type(value).__module__.split(".")[0] in ("backends", "mqabstract") \
+                    and hasattr(value, "__dict__"):
+                fields(value, f"{prefix}{name}.", depth - 1)  # a driver's part (split class)
+
     inner = getattr(sub, "_inner", None)
-    for name, value in sorted(vars(inner).items()) if inner is not None else ():
-        if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
-            with contextlib.suppress(Exception):
-                shown = sorted(map(str, value)) if len(value) <= 8 else "…"
-                lines.append(f"  {name}: {len(value)} {shown}")
-                continue
-        if isinstance(value, (int, float, bool, str, type(None))):
-            lines.append(f"  {name}: {value!r}"[:200])
+    if inner is not None:
+        fields(inner, "", 1)
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():
         if names.get(ident, "").startswith("mqa"):
@@ -499,7 +507,7 @@ def drain(sub: mqabstract.Subscription, ledger: Ledger, quiet: float, limit: flo
             return
         if time.monotonic() >= deadline:
             if not done:
-                print(f"drain: {len(want - ledger.acked - set(ledger.dead))} wanted ids "
+                print(f"drain: {len((want or set()) - ledger.acked - set(ledger.dead))} wanted ids "
                       f"missing after {limit}s\n{snapshot(sub)}")
             return
         try:
