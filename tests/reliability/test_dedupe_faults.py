@@ -86,10 +86,14 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
             plans = [f"{'after' if n % 2 == 0 else 'inside'}:{rng.randint(1, span)}"
                      for n in range(kills)]
 
+            planned: dict[int, str] = {}  # worker pid -> its plan (for the failure text)
+
             def spawn() -> Worker:
                 plan = plans.pop(0) if plans else "none"
-                return Worker("dedupe", rel_url, group, pattern, str(LEASE), str(store),
-                              plan, str(idle))
+                w = Worker("dedupe", rel_url, group, pattern, str(LEASE), str(store),
+                           plan, str(idle))
+                planned[w.proc.pid] = plan
+                return w
 
             workers = [spawn() for _ in range(WORKERS)]
             finished: list[Worker] = []
@@ -152,4 +156,9 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
     # The first consumers start with every message pending: the first plan (after a commit,
     # within the first ``span`` messages) always comes true; later ones may find the work
     # already done and exit normally.
-    assert after_commit >= 1, f"no kill between success and ack ({len(killed)} kills)"
+    assert after_commit >= 1, (
+        f"no kill between success and ack ({len(killed)} kills); per worker (plan, exit, "
+        f"handled, first/last line): " + "; ".join(
+            f"{planned[w.proc.pid]} {w.proc.returncode} "
+            f"{sum(1 for e in w.events() if e[0] == 'RECV')} {w.lines[:1]} {w.lines[-1:]}"
+            for w in (*killed, *finished)))
