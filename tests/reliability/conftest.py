@@ -51,6 +51,34 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("backend", wanted, scope="module")
 
 
+#: The broker a scenario loads, by test module (else by its backend's kind): the fault
+#: stage's two lanes (``scripts/test``: ``-n 2 --dist loadgroup``) take whole groups, so
+#: no two running scenarios ever share a broker. The longest groups come first (a lane
+#: that finishes takes the next group).
+_OWN_BROKERS = {"test_kafka_cluster.py": "kafka-cluster",
+                "test_container_faults.py": "container-"}
+_LONGEST_FIRST = ("kafka", "kafka-cluster", "sqs", "rabbitmq", "embedded",
+                  "container-kafka", "container-rabbitmq")
+
+
+def _lane(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    backend = callspec.params.get("backend") if callspec is not None else None
+    broker = "embedded" if backend in (None, "memory", "sqlite") else kind(backend)
+    own = _OWN_BROKERS.get(item.path.name)
+    if own is None:
+        return broker
+    return own + broker if own.endswith("-") else own
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_lane(item)))
+    order = {lane: i for i, lane in enumerate(_LONGEST_FIRST)}
+    # Stable: within a group the modules keep their order (module-scoped brokers start once).
+    items.sort(key=lambda item: order.get(_lane(item), len(order)))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "backends(*names): run this reliability test only on these backends"
