@@ -19,12 +19,11 @@ import pytest
 
 BACKEND_ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
 # Under pytest-xdist (--dist loadgroup) these files run on one worker each: private broker
-# processes and the shared SparkSession must not be started twice at once.
+# processes and the shared SparkSession must not be started twice at once. (The fault
+# scenarios' private brokers are grouped by tests/reliability/conftest.py's lanes.)
 _SERIAL_GROUPS = {
     "test_brokerctl.py": "private-brokers",
     "test_rabbitmq.py": "private-brokers",
-    "test_broker_restart.py": "private-brokers",
-    "test_kafka_cluster.py": "private-brokers",
     "spark": "spark",
 }
 BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
