@@ -19,11 +19,9 @@ from mqabstract.errors import (
     Closed,
     ConnectionFailed,
     InvalidArgument,
-    MessageTooLarge,
     MQError,
     NotFound,
     PublishError,
-    Timeout,
 )
 from mqabstract.model import Columns, DeadLetter, Envelope, GroupSpec, GroupStats
 from mqabstract.options import Option, parse_options
@@ -42,6 +40,7 @@ from .client import (
     Producer,
     Settings,
 )
+from .errors import native, transient
 from .names import (
     HASHED,
     INTERNAL,
@@ -108,41 +107,6 @@ def replication_plan(brokers: int, replication_factor: int = AUTO,
                          f"{replication} of the topics it would apply to: every publish "
                          "would fail (NOT_ENOUGH_REPLICAS)")
     return replication, min_isr
-
-
-def native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
-    """A client failure as the portable error a public call raises."""
-    if isinstance(exc, MQError):
-        return exc
-    err = exc if isinstance(exc, ClientError) else ClientError(
-        Kind.OTHER, redact(f"{type(exc).__name__}: {exc}"))
-    text = redact(f"{what} on {url.redacted()}: {err}")[:2000]
-    if err.kind is Kind.BAD_SESSION:
-        return InvalidArgument(redact(
-            f"{what} on {url.redacted()}: the broker refuses the consumer session timeout; "
-            "set the option session_timeout_ms (URL query or connect() keyword) within "
-            "the broker's group.min.session.timeout.ms .. group.max.session.timeout.ms "
-            "(Apache Kafka: 6000 .. 1800000 by default), and heartbeat_interval_ms below "
-            "a third of it")[:2000])
-    if err.kind is Kind.TOO_LARGE:
-        return MessageTooLarge(text)
-    if err.kind is Kind.TIMEOUT:
-        return Timeout(text)
-    if err.kind in (Kind.FATAL, Kind.OTHER, Kind.METADATA_TOO_LARGE):
-        return MQError(text)
-    return ConnectionFailed(text)
-
-
-def transient(exc: BaseException) -> bool:
-    """Whether a background thread should retry after ``exc`` instead of stopping: the
-    broker is unreachable, restarting or moving a coordinator (the same call can work
-    later). A background thread that stopped on such an error would leave the
-    subscription dead for good after the broker came back."""
-    if isinstance(exc, MQError):
-        return exc.retryable
-    if isinstance(exc, ClientError):
-        return exc.retriable
-    return isinstance(exc, (ConnectionError, TimeoutError))
 
 
 def survives(replication_factor: int, min_insync_replicas: int) -> str:

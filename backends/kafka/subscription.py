@@ -24,7 +24,8 @@ from mqabstract.names import topic_matches
 from mqabstract.url import redact
 
 from .client import TP, ClientError, Fetched, Kind, Outgoing, Pending
-from .driver import KafkaDriver, native, transient
+from .driver import KafkaDriver
+from .errors import native, transient
 from .names import HASHED, INTERNAL, slot, topic_regex, unescape
 from .state import CKPT_RANGES, Part, Rec
 
