@@ -25,8 +25,12 @@ Mapping (details and reasons in ``docs/backends/kafka.md``):
 
 Layout: ``client`` (the client surface the logic is written against, and the choice of
 client: ``?client=confluent|kafka-python``, default the fastest installed), ``kp`` and
-``ck`` (its two implementations), ``names`` (topic mapping, slots), ``state`` (partition
-checkpoints), ``driver`` (topics, publishing, dead letters), ``subscription`` (a consumer).
+``ck`` (its two implementations), ``errors`` (client failures as portable errors),
+``names`` (topic mapping, slots), ``state`` (partition checkpoints), ``cluster`` (clients,
+topics, offsets, writes: what the driver and its subscriptions share), ``driver``
+(publishing, groups, dead letters, stats), ``subscription`` (a consumer, made of
+``sub_state``, the shared fields; ``sub_member``, the group member; ``sub_reader``, the
+data reader; ``sub_app``, the application side).
 """
 
 from __future__ import annotations

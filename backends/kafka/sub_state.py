@@ -25,7 +25,7 @@ from mqabstract import wire
 from mqabstract.model import GroupSpec
 
 from .client import TP, Outgoing, Pending
-from .driver import KafkaDriver
+from .cluster import KafkaCluster
 from .state import CKPT_RANGES, Part, Rec
 
 __all__ = ["HELD_FACTOR", "SubscriptionState"]
@@ -50,7 +50,7 @@ class SubscriptionState:
     group_thread: threading.Thread
     data_thread: threading.Thread
 
-    def __init__(self, driver: KafkaDriver, spec: GroupSpec, declared_ms: int) -> None:
+    def __init__(self, driver: KafkaCluster, spec: GroupSpec, declared_ms: int) -> None:
         self.d = driver
         self.spec = spec
         self.declared_ms = declared_ms

@@ -7,7 +7,7 @@ import threading
 
 from mqabstract.model import GroupSpec
 
-from .driver import KafkaDriver
+from .cluster import KafkaCluster
 from .errors import native
 from .names import topic_regex
 from .sub_app import ApplicationSide
@@ -43,7 +43,7 @@ class KafkaSubscription(ApplicationSide, DataReader):
     starts the consumers and their threads.
     """
 
-    def __init__(self, driver: KafkaDriver, spec: GroupSpec, declared_ms: int) -> None:
+    def __init__(self, driver: KafkaCluster, spec: GroupSpec, declared_ms: int) -> None:
         super().__init__(driver, spec, declared_ms)
         opts = driver.opts
         try:
