@@ -32,8 +32,9 @@ class ApplicationSide(GroupMember, DriverSubscription):
     their partitions, settles them (writes fenced the same way, and retried by the
     caller), and closes the two threads.
 
-    Thread rules: any thread; state only under ``lock``, writes through the member's
-    fence and transaction (``_fence``, ``_transfer``), never on the group consumer.
+    Thread rules: any application thread; shared state only under ``lock``; records are
+    handed out and copies written only after the member's fence (``_fence``,
+    ``_fence_for``), copies through its transaction (``_transfer``).
     """
 
     def _check_open(self) -> None:

@@ -45,9 +45,11 @@ class GroupMember(SubscriptionState):
     commit is checked against the generation, not the assignment) and writes the
     re-publish transactions fenced by that generation.
 
-    Thread rules: ``_run_group`` and the rebalance listeners (``revoked``, ``assigned``,
-    inside the group consumer's poll) run on the group thread; ``_fence``, ``_transfer``
-    and the move counter (``_begin_move`` / ``_end_move``) are called from any thread.
+    Thread rules: ``_run_group`` (and ``_commit``, ``_take_assignment``) run on the group
+    thread; the rebalance listeners (``revoked``, ``assigned``) are called by the group
+    consumer, inside its poll or on its client's I/O thread; commits (``_fence``,
+    ``_send_checkpoints``), ``_transfer`` and the move counter (``_begin_move`` /
+    ``_end_move``) are called from any thread.
     """
 
     if TYPE_CHECKING:

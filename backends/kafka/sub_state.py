@@ -4,8 +4,8 @@
 the group member (``sub_member``: the group thread, commits, fencing, assign/revoke),
 the data reader (``sub_reader``: the data thread, fetch, stall check, decode, hand-off)
 and the application side (``sub_app``: receive, settles, close). Each is a class over
-``SubscriptionState``, which holds every field they share; the locking rules of those
-fields are the subscription's (``KafkaSubscription``), stated here once.
+``SubscriptionState``, which holds every field they share, so that who may touch which
+field under which lock is written in one place.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class SubscriptionState:
     ``lock`` (``cv`` is its condition) guards the buffers (``ready``, ``held``,
     ``leased``), the partitions (``parts``, ``suspended``), the slots and the flags the
     threads read; ``commit_lock`` orders commits and the re-publish transactions. The
-    data thread alone touches ``data``, ``data_assigned``, ``data_seen`` and the topic
-    lists; the group thread alone polls ``group``.
+    data thread alone uses ``data`` and its bookkeeping (``data_assigned``,
+    ``data_seen``, the topic lists); the group thread alone polls ``group``.
     """
 
     slot_count: int  # the group's retry partitions (set by ``KafkaSubscription``)
