@@ -23,10 +23,11 @@ Mapping (details and reasons in ``docs/backends/kafka.md``):
   with its due time and delivery count in headers (the wire schema); a background thread
   per consumer holds records that are not due yet and hands them out when they are.
 
-Layout: ``client`` (the client surface the logic is written against, and the choice of
-client: ``?client=confluent|kafka-python``, default the fastest installed), ``kp`` and
-``ck`` (its two implementations), ``names`` (topic mapping, slots), ``state`` (partition
-checkpoints), ``driver`` (topics, publishing, dead letters), ``subscription`` (a consumer).
+Layout: ``client`` (the client surface, and the choice ``?client=confluent|kafka-python``,
+default the fastest installed), ``kp`` and ``ck*`` (its two implementations), ``errors``,
+``names`` (topic mapping, slots), ``state`` (checkpoints), ``cluster`` (clients, topics,
+offsets, writes), ``driver``, ``subscription`` (a consumer: ``sub_state`` fields shared by
+``sub_member``, ``sub_reader`` and ``sub_app``; see ``docs/architecture.md``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""Client failures as portable errors (``native``), and which of them a background thread
+waits out (``transient``).
+
+Shared by the driver and its subscriptions: a module of its own, so that neither imports
+the other for them.
+"""
+
+from __future__ import annotations
+
+from mqabstract.errors import (
+    ConnectionFailed,
+    InvalidArgument,
+    MessageTooLarge,
+    MQError,
+    Timeout,
+)
+from mqabstract.url import BrokerURL, redact
+
+from .client import ClientError, Kind
+
+__all__ = ["native", "transient"]
+
+
+def native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
+    """A client failure as the portable error a public call raises."""
+    if isinstance(exc, MQError):
+        return exc
+    err = exc if isinstance(exc, ClientError) else ClientError(
+        Kind.OTHER, redact(f"{type(exc).__name__}: {exc}"))
+    text = redact(f"{what} on {url.redacted()}: {err}")[:2000]
+    if err.kind is Kind.BAD_SESSION:
+        return InvalidArgument(redact(
+            f"{what} on {url.redacted()}: the broker refuses the consumer session timeout; "
+            "set the option session_timeout_ms (URL query or connect() keyword) within "
+            "the broker's group.min.session.timeout.ms .. group.max.session.timeout.ms "
+            "(Apache Kafka: 6000 .. 1800000 by default), and heartbeat_interval_ms below "
+            "a third of it")[:2000])
+    if err.kind is Kind.TOO_LARGE:
+        return MessageTooLarge(text)
+    if err.kind is Kind.TIMEOUT:
+        return Timeout(text)
+    if err.kind in (Kind.FATAL, Kind.OTHER, Kind.METADATA_TOO_LARGE):
+        return MQError(text)
+    return ConnectionFailed(text)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a background thread should retry after ``exc`` instead of stopping: the
+    broker is unreachable, restarting or moving a coordinator (the same call can work
+    later). A background thread that stopped on such an error would leave the
+    subscription dead for good after the broker came back."""
+    if isinstance(exc, MQError):
+        return exc.retryable
+    if isinstance(exc, ClientError):
+        return exc.retriable
+    return isinstance(exc, (ConnectionError, TimeoutError))

@@ -1,0 +1,452 @@
+"""The group member of a Kafka subscription: the group thread, offset commits, fencing,
+assignments and revocations, and the transactions that re-publish records.
+
+Every record is handed out or re-published only after a commit of this member succeeded
+(``_fence``): the coordinator checks it against the member's generation, so a member that
+lost its partitions (a freeze, a rebalance it has not seen yet) writes nothing. The data
+reader and the application side both build on that, hence on this class.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from mqabstract.errors import LeaseExpired, MQError, Timeout
+from mqabstract.url import redact
+
+from .client import TP, ClientError, Fetched, Kind, Outgoing, Pending
+from .errors import native, transient
+from .names import slot
+from .state import Part, Rec
+from .sub_state import SubscriptionState
+
+log = logging.getLogger("mqabstract.kafka")
+
+__all__ = ["GroupMember"]
+
+#: Longest a revocation waits for re-publishes in flight (it may run on the client's I/O
+#: thread, so heartbeats wait as long).
+_MOVING_WAIT = 3.0
+
+
+class _Unknown(Timeout):
+    """A re-publish transaction whose outcome could not be found out (the broker away
+    after its commit began): the copy may or may not be there."""
+
+
+class GroupMember(SubscriptionState):
+    """The Kafka consumer-group member (``group``) and its thread: keeps the membership,
+    takes assignments, commits the checkpoints of every partition (data ones too: a
+    commit is checked against the generation, not the assignment) and writes the
+    re-publish transactions fenced by that generation.
+
+    Thread rules: ``_run_group`` (and ``_commit``, ``_take_assignment``) run on the group
+    thread; the rebalance listeners (``revoked``, ``assigned``) are called by the group
+    consumer, inside its poll or on its client's I/O thread; commits (``_fence``,
+    ``_send_checkpoints``), ``_transfer`` and the move counter (``_begin_move`` /
+    ``_end_move``) are called from any thread.
+    """
+
+    if TYPE_CHECKING:
+        def _ingest(self, batches: Mapping[TP, list[Fetched]]) -> None:
+            """Fetched records into the buffers (``DataReader._ingest``)."""
+
+    # -- group thread ------------------------------------------------------------------------
+    def _run_group(self) -> None:
+        retry_at = 0.0  # when to position a new assignment again after a failure
+        try:
+            while not self.group_stopping:
+                try:
+                    recs = self.group.poll(0.2, 1000)
+                except Exception as exc:
+                    # A poll can raise the connection error of a coordinator lookup made
+                    # while the broker is down; the same consumer works again once the
+                    # broker is back.
+                    if not transient(exc):
+                        raise
+                    log.info("kafka: group consumer of %s waits for the broker: %s",
+                             self.spec.name, redact(str(exc))[:300])
+                    time.sleep(0.2)
+                    continue
+                if recs:
+                    self._ingest(recs)
+                if self.new_assignment is not None and time.monotonic() >= retry_at:
+                    try:
+                        self._take_assignment()
+                    except Exception as exc:
+                        if not transient(exc):
+                            raise
+                        # The broker is restarting: keep polling (heartbeats, the join)
+                        # and position the assignment once it answers again.
+                        log.info("kafka: assignment of %s not positioned yet: %s",
+                                 self.spec.name, redact(str(exc))[:300])
+                        retry_at = time.monotonic() + 0.5
+                self._commit(sync=False)
+        except Exception as exc:
+            log.warning("kafka: group consumer of %s stopped: %s", self.spec.name,
+                        redact(str(exc)))
+            self.error = exc
+        finally:
+            try:
+                self._commit(sync=True)
+            except Exception as exc:
+                log.debug("kafka: last commit of %s failed: %s", self.spec.name, exc)
+            self.group.close()
+            with self.cv:
+                self.cv.notify_all()
+            self.assigned_once.set()
+
+    # -- checkpoints (offset commits) -------------------------------------------------------
+    def _commit(self, sync: bool) -> None:
+        """The group thread's commit: asynchronous between polls, synchronous at the end."""
+        if sync:
+            try:
+                self._fence(self.d.opts["request_timeout_ms"] / 1000)
+            except MQError as exc:
+                log.debug("kafka: final commit of %s: %s", self.spec.name, exc)
+        else:
+            # (not waiting for commit_lock: a transaction may hold it; next round)
+            self._send_checkpoints(None, patience=0)
+
+    def _checkpoints(self, force: Collection[TP]) -> dict[TP, tuple[int, str]]:
+        """The checkpoints that changed since last sent, plus those of ``force``."""
+        offsets: dict[TP, tuple[int, str]] = {}
+        with self.lock:
+            for tp, part in self.parts.items():
+                point, meta = part.checkpoint(self.ckpt_limit)
+                if point is None:
+                    continue
+                if point != part.committed or meta != part.meta or tp in force:
+                    offsets[tp] = (point, meta)
+                    part.committed, part.meta = point, meta
+        return offsets
+
+    def _schedule(self, force: Collection[TP], patience: float = -1) -> Pending | None:
+        """Send the changed checkpoints (plus those of ``force``) as one commit; None when
+        there was nothing to send (or ``commit_lock`` was not free within ``patience``).
+
+        Built and sent under ``commit_lock``: commits go out in the order their contents
+        were read, so a later commit never carries an older mark. A client may commit
+        synchronously under it (confluent-kafka), so a rebalance listener, which can run
+        inside the poll such a commit waits for, passes a ``patience``.
+        """
+        if not self.commit_lock.acquire(timeout=patience):
+            return None
+        try:
+            offsets = self._checkpoints(force)
+            if not offsets:
+                return None
+            sent: Pending = self.group.commit(
+                offsets, lambda err: self._committed(offsets, err))
+            self.last_sent = sent
+            return sent
+        finally:
+            self.commit_lock.release()
+
+    def _send_checkpoints(self, force: Collection[TP] | None, patience: float = -1) -> None:
+        """Commit changed checkpoints, not waiting for the outcome where the client lets
+        us (a failed one is sent again with the next)."""
+        try:
+            self._schedule(force or (), patience)
+        except ClientError as exc:
+            log.debug("kafka: commit of %s not sent: %s", self.spec.name, exc)
+
+    def _fence(self, budget: float, force: Collection[TP] = ()) -> None:
+        """Commit the checkpoints (changed ones and those of ``force``) and wait for them.
+
+        An offset commit is validated against the member id and generation: when it
+        succeeds, this consumer was a current member of the group, so nobody else owns
+        these partitions, and whoever takes them over later reads these checkpoints (its
+        assignment comes after this commit). It is the proof required before records are
+        handed out or re-published: a consumer that was frozen past its session, or lost
+        the partitions in a rebalance it has not seen yet, gets ``Kind.FENCED`` here.
+
+        Raises ``LeaseExpired`` when membership is lost or a rebalance is under way,
+        ``Timeout`` / ``ConnectionFailed`` when the coordinator does not answer in time.
+        """
+        if not self.group.stable():
+            raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
+        try:
+            sent = self._schedule(force)
+        except ClientError as exc:
+            raise native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
+        if sent is None:
+            return
+        err = sent.wait(max(0.05, budget))
+        if err is None:
+            return
+        if err.kind is Kind.TIMEOUT:
+            raise Timeout(f"commit of {self.spec.name!r} not confirmed within {budget:.2f}s")
+        if err.kind is Kind.METADATA_TOO_LARGE:
+            # offset.metadata.max.bytes below Apache Kafka's default 4096: list fewer
+            # settled ranges (the rest is delivered again after a takeover).
+            self.ckpt_limit //= 2
+        if err.kind is Kind.FENCED:
+            raise LeaseExpired(f"consumer of {self.spec.name!r} is no longer a member of the "
+                               f"current generation: {err.native}") from err
+        raise native(err, f"commit of {self.spec.name!r} failed", self.d.url) from err
+
+    def _committed(self, offsets: Mapping[TP, tuple[int, str]], error: ClientError | None
+                   ) -> None:
+        """A commit landed, or failed (e.g. during a rebalance: sent again with the next)."""
+        with self.lock:
+            for tp, sent in offsets.items():
+                if error is not None:
+                    part = self.parts.get(tp)
+                    if part is not None and (part.committed, part.meta) == sent:
+                        part.committed, part.meta = part.confirmed, part.sent_meta
+                    continue
+                part = self.parts.get(tp) or self.suspended.get(tp, (None, None))[0]
+                if part is not None:
+                    part.confirmed, part.sent_meta = sent
+
+    # -- rebalance (group consumer) -------------------------------------------------------
+    def revoked(self, revoked: Collection[TP]) -> None:
+        """The member's listener: slots are going (before the rejoin)."""
+        slots = {tp.partition for tp in revoked if tp.topic == self.retry}
+        with self.cv:
+            # Re-publishes that passed their fence finish first, so that the checkpoint
+            # below lists their originals as settled (else the next owner delivers the
+            # original with the attempt the copy has). Later ones see the new epoch and
+            # write nothing. This may block the client's I/O thread (heartbeats) for at
+            # most _MOVING_WAIT; the writes go through the producer, not this consumer.
+            self.epoch += 1
+            end = time.monotonic() + _MOVING_WAIT
+            while self.moving and time.monotonic() < end:
+                self.cv.wait(max(0.001, end - time.monotonic()))
+            gone = {tp for tp in self.parts
+                    if tp in set(revoked)
+                    or (tp.topic != self.retry and slot(tp, self.slot_count) in slots)}
+        # Scheduled here, in the listener: sent before the JoinGroup that follows; if it
+        # fails, the next owner re-delivers (attempt + 1).
+        log.debug("kafka: %s revoked %s", self.spec.name, sorted(gone))
+        self._send_checkpoints(gone, patience=0.2)
+        with self.cv:
+            for tp in gone:
+                part = self.parts.pop(tp, None)
+                if part is None:
+                    continue
+                stash = [r for r in self.ready if r.tp == tp]
+                stash += [r for _, _, r in self.held if r.tp == tp]
+                part.revoked_at = (part.committed, part.meta)
+                self.suspended[tp] = (part, stash)
+            self.ready = deque(r for r in self.ready if r.tp not in gone)
+            self.held = [h for h in self.held if h[2].tp not in gone]
+            heapq.heapify(self.held)
+            self.slots -= slots
+            self.slot_version += 1
+
+    def assigned(self, assigned: Collection[TP]) -> None:
+        """The member's listener: only bookkeeping (the member keeps new partitions paused);
+        the group thread positions them (``_take_assignment``)."""
+        log.debug("kafka: %s assigned %s", self.spec.name, sorted(assigned))
+        with self.lock:
+            self.new_assignment = set(assigned)
+
+    def _take_assignment(self) -> None:
+        with self.lock:
+            assigned, self.new_assignment = self.new_assignment, None
+            epoch = self.epoch
+        if assigned is None:
+            return
+        try:
+            committed = self.d.committed(self.spec.name, assigned) if assigned else {}
+        except Exception:
+            with self.lock:  # retried by the group thread unless a newer one came
+                if self.new_assignment is None:
+                    self.new_assignment = assigned
+            raise
+        adopted = self._adopt(assigned, committed, epoch=epoch)
+        if adopted is None:
+            return  # revoked again meanwhile: the next assignment follows
+        fresh, positions = adopted
+        for tp in fresh:  # the retry topic belongs to the group: from its beginning
+            found = committed.get(tp)
+            positions[tp] = found[0] if found is not None else None
+        self.group.start(positions)
+        with self.cv:
+            self._forget_suspended([t for t in self.suspended
+                                    if t.topic == self.retry and t not in assigned])
+            self.slots = {tp.partition for tp in assigned}
+            self.slot_version += 1
+            self.cv.notify_all()
+
+    def _forget_suspended(self, tps: Collection[TP]) -> None:
+        """Partitions that went to another member for good (lock held): their leases are
+        stale, the new owner redelivers from the committed offset."""
+        gone = set(tps)
+        for tp in gone:
+            self.suspended.pop(tp, None)
+        if gone:
+            for token, rec in list(self.leased.items()):
+                if rec.tp in gone:
+                    del self.leased[token]
+
+    def _adopt(self, assigned: Collection[TP], committed: Mapping[TP, tuple[int, str] | None],
+               epoch: int | None = None, version: int | None = None
+               ) -> tuple[list[TP], dict[TP, int | None]] | None:
+        """Take partitions over: keep our in-flight state where nobody committed since we
+        had them (the stored checkpoint is still the one we sent: another owner that handed
+        anything out would have committed its own first). Returns the partitions that need
+        a start position (a fresh partition starts from its checkpoint, ``Part``) and the
+        positions of those taken back.
+
+        None, adopting nothing, when the assignment is stale: revoked again (``epoch``) or
+        the slots changed (``version``) since it was read. Adopting it would make this
+        member hand out records of partitions another member owns: the coordinator checks
+        commits against the generation, not the assignment."""
+        fresh: list[TP] = []
+        back: dict[TP, int | None] = {}
+        with self.cv:
+            if ((epoch is not None and epoch != self.epoch)
+                    or (version is not None and version != self.slot_version)):
+                return None
+            now = time.time()
+            for tp in assigned:
+                found = committed.get(tp)
+                stored = found if found is not None else (None, None)
+                old = self.suspended.pop(tp, None)
+                if old is not None and old[0].next_fetch and stored in (
+                        old[0].revoked_at, (old[0].confirmed, old[0].sent_meta)):
+                    log.debug("kafka: %s takes %s back (checkpoint %s)", self.spec.name,
+                              tp, stored)
+                    part, stash = old
+                    if stored != (part.committed, part.meta):
+                        part.committed, part.meta = stored
+                    self.parts[tp] = part
+                    back[tp] = part.next_fetch
+                    for rec in stash:
+                        if rec.due > now:
+                            heapq.heappush(self.held, (rec.due, next(self.seq), rec))
+                        else:
+                            self.ready.append(rec)
+                    continue
+                self.parts[tp] = Part(found)
+                log.debug("kafka: %s takes %s over (checkpoint %s)", self.spec.name, tp,
+                          stored)
+                fresh.append(tp)
+            # Leases on partitions that are not ours any more are stale now.
+            for token, rec in list(self.leased.items()):
+                if rec.tp in fresh:
+                    del self.leased[token]
+            self.cv.notify_all()
+        return fresh, back
+
+    # -- re-publishing (any thread) -----------------------------------------------------------
+    def _snapshot(self) -> object:
+        """The member's group snapshot (generation, member id) for a transaction. Taken
+        before ``_begin_move`` checks the revocation epoch: a snapshot of a later
+        generation (after a rejoin) always comes with a revocation, which that check sees.
+        A member without a generation is refused: the coordinator would accept its
+        transactional offset commit (the one for clients outside group management)."""
+        try:
+            meta, generation = self.group.group_meta()
+        except ClientError as exc:
+            raise native(exc, f"consumer of {self.spec.name!r}", self.d.url) from exc
+        if generation is not None and generation < 0:
+            raise LeaseExpired(f"consumer of {self.spec.name!r} is not a member of the group")
+        return meta
+
+    def _begin_move(self, epoch: int) -> bool:
+        """After a successful ``_fence``: count a re-publish in flight, unless a revocation
+        began since ``epoch`` (then write nothing). ``revoked`` waits for those counted."""
+        with self.cv:
+            if self.epoch != epoch:
+                return False
+            self.moving += 1
+            return True
+
+    def _end_move(self) -> None:
+        with self.cv:
+            self.moving -= 1
+            self.cv.notify_all()
+
+    def _transfer(self, moves: Sequence[tuple[Rec, Outgoing]], meta: object,
+                  budget: float) -> None:
+        """Write the copies and commit the checkpoints that settle their originals in one
+        Kafka transaction, its offset commit fenced by the generation in ``meta``.
+
+        The lease rule needs this atomicity: a copy written after its original was handed
+        out again by a new owner of the partition (a holder frozen between its fence and
+        its write, evicted, then woken) carries a lower attempt than that delivery and is
+        delivered after it. Here the zombie's TxnOffsetCommit is refused (its generation
+        is over), its transaction aborted and its copy never read (``read_committed``);
+        a new owner reads checkpoints with require_stable, so it waits while such a
+        transaction is open and then sees the original settled exactly when the copy is
+        visible. Held under ``commit_lock``, after every earlier commit of ours landed: a
+        plain commit appended after the transaction's offsets would override them with
+        a checkpoint in which the originals are not settled.
+
+        Raises ``LeaseExpired`` (fenced: nothing written), ``Timeout`` and the like
+        (nothing written), ``_Unknown`` (the outcome could not be read back).
+        """
+        end = time.monotonic() + budget
+        if not self.commit_lock.acquire(timeout=max(0.05, budget)):
+            raise Timeout(f"commits of {self.spec.name!r} busy for {budget:.2f}s")
+        try:
+            last = self.last_sent
+            if last is not None:
+                err = last.wait(max(0.05, end - time.monotonic()))
+                if err is not None and err.kind is Kind.TIMEOUT:
+                    raise Timeout(f"commit of {self.spec.name!r} not confirmed in time")
+            with self.lock:
+                offsets: dict[TP, tuple[int, str]] = {}
+                for tp in {rec.tp for rec, _ in moves}:
+                    part = self._part(tp)
+                    if part is None:
+                        raise LeaseExpired(f"partition {tp} of {self.spec.name!r} moved")
+                    point, ckpt = part.checkpoint(
+                        self.ckpt_limit, settle={rec.offset for rec, _ in moves if rec.tp == tp})
+                    if point is None:
+                        raise LeaseExpired(f"partition {tp} of {self.spec.name!r} not read")
+                    offsets[tp] = (point, ckpt)
+            try:
+                if self.mover is None:
+                    self.mover = self.d.client.mover(self.d.settings, self.txn_id)
+                self.mover.move([out for _, out in moves], offsets, meta,
+                                max(0.05, end - time.monotonic()))
+            except ClientError as exc:
+                if exc.kind is Kind.FATAL and not exc.doubt:
+                    self._drop_mover()
+                if not exc.doubt or not self._landed(offsets, exc):
+                    if exc.kind is Kind.FENCED:
+                        raise LeaseExpired(f"consumer of {self.spec.name!r} is no longer a "
+                                           f"member of the current generation: {exc.native}"
+                                           ) from exc
+                    raise native(exc, f"re-publish of {self.spec.name!r} failed",
+                                 self.d.url) from exc
+            with self.lock:
+                for rec, _ in moves:
+                    part = self._part(rec.tp)
+                    if part is not None:
+                        part.done.add(rec.offset)
+                for tp, sent in offsets.items():
+                    part = self._part(tp)
+                    if part is not None:
+                        part.committed, part.meta = sent
+                        part.confirmed, part.sent_meta = sent
+        finally:
+            self.commit_lock.release()
+
+    def _landed(self, offsets: Mapping[TP, tuple[int, str]], failure: ClientError) -> bool:
+        """Whether a transaction whose outcome is unknown committed: its checkpoints are
+        the committed ones (the mover was replaced by one with the same transactional.id,
+        which completed it; stable offsets are read). ``_Unknown`` when they cannot be
+        read."""
+        try:
+            found = self.d.committed(self.spec.name, offsets)
+        except MQError as exc:
+            log.warning("kafka: outcome of a re-publish of %s unknown (%s; then %s)",
+                        self.spec.name, failure, exc)
+            raise _Unknown(f"re-publish of {self.spec.name!r}: outcome unknown") from exc
+        return all(found.get(tp) == sent for tp, sent in offsets.items())
+
+    def _drop_mover(self) -> None:
+        mover, self.mover = self.mover, None
+        if mover is not None:
+            mover.close(0.5)
