@@ -19,6 +19,10 @@ from mqabstract import Backoff, Feature
 
 from .harness import Ctx
 
+#: What the release-margin check allows beyond the declared margin: the drain's ack of the
+#: returned message and this process's own scheduling, not the backend's release.
+RELEASE_SLACK = 0.5
+
 
 def test_ack_removes_message(mq_ctx: Ctx) -> None:
     sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=mq_ctx.lease)
@@ -311,7 +315,8 @@ def test_close_releases_unsettled_and_keeps_published(mq_ctx: Ctx) -> None:
 
 
 def test_abandoned_consumer_message_comes_back(mq_ctx: Ctx) -> None:
-    """A consumer that hangs or dies without settling: the lease returns its message."""
+    """A consumer that hangs without settling: the lease returns its message, to another
+    consumer, after the lease ends and within the backend's declared ``release_margin``."""
     broker = mq_ctx.connect()
     pattern = mq_ctx.pattern("#")
     hung = mq_ctx.subscribe("g", pattern, broker=broker, lease=mq_ctx.lease)
@@ -322,10 +327,16 @@ def test_abandoned_consumer_message_comes_back(mq_ctx: Ctx) -> None:
     while not taken and time.monotonic() < deadline:
         taken = hung.receive(1, 0.5)
     assert taken and taken[0].id == mid
+    ends = time.monotonic() + taken[0].lease_remaining  # no later than the lease's end
     [back] = mq_ctx.drain(live, 1)  # the hung consumer never settles
+    came = time.monotonic()
     # The delivery after the hung one's (which is attempt 2 when its first receive came
     # back after the lease: SQS on CI's loaded moto, a counted delivery nobody saw).
     assert back.id == mid and back.attempt == taken[0].attempt + 1
+    margin = mq_ctx.caps.release_margin
+    assert came <= ends + margin + RELEASE_SLACK, (
+        f"the abandoned message came back {came - ends:.2f}s after the lease ended; "
+        f"{mq_ctx.broker.backend} declares release_margin={margin}s")
 
 
 _CRASHER = textwrap.dedent(

@@ -36,31 +36,52 @@ __all__ = ["Driver", "DriverSubscription"]
 
 
 class DriverSubscription(abc.ABC):
-    """One consumer attached to one group."""
+    """One consumer attached to one group.
+
+    Threads: ``receive`` and the settles may be called from any thread, concurrently (the
+    portable layer serialises nothing per subscription); ``close`` may race them. A
+    background thread of the driver's own (I/O, heartbeats, lease timers) must never call
+    back into the portable layer.
+    """
 
     @abc.abstractmethod
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
-        """Wait up to ``timeout`` s for at least one message; return at most ``max_messages``."""
+        """Wait up to ``timeout`` s for at least one message; return at most
+        ``max_messages``, early as soon as one arrives (no busy polling). Each ``Delivery``
+        carries every ``mq-*`` wire field back (``mqabstract.wire.read``: id, key, topic,
+        priority, published_at, attempt, deadline) and the user headers unchanged; its
+        lease starts when this call started. A delivery whose attempt exceeds the group's
+        ``max_attempts`` is returned anyway: the portable layer dead-letters it."""
 
     @abc.abstractmethod
     def ack(self, receipts: Sequence[Any]) -> None:
-        """Remove the messages for this group."""
+        """Remove the messages for this group, all or none of a chunk per broker call. A
+        receipt whose lease the driver knows is gone (its connection, channel or partition
+        was lost, another consumer holds it) raises ``LeaseExpired``; never retried here:
+        the portable layer decides."""
 
     @abc.abstractmethod
     def nack(self, receipt: Any, delay: float) -> None:
-        """Make the message deliverable again after ``delay`` seconds (attempt counts up)."""
+        """Make the message deliverable again after ``delay`` seconds, to any consumer of
+        the group, with ``attempt`` one higher (a copy writes ``wire.retry_fields``, the
+        one rule for a copy's attempt). Stale receipt: ``LeaseExpired``, nothing sent."""
 
     def extend(self, receipt: Any, seconds: float) -> None:
-        """Renew the lease: the message stays ours for ``seconds`` from now."""
+        """Renew the lease: the message stays ours for ``seconds`` from now (stale receipt:
+        ``LeaseExpired``)."""
         raise Unsupported("lease extend is not supported by this backend")
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
-        """Move the message to the group's dead-letter store."""
+        """Move the message to the group's dead-letter store with ``reason`` and
+        ``attempts`` (``emulation.deadletters`` encodes them), at most once per id, and
+        remove it from the group (stale receipt: ``LeaseExpired``)."""
         raise Unsupported("dead letters are not supported by this backend")
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Detach; unsettled messages become deliverable again (idempotent)."""
+        """Detach (idempotent): unsettled messages become deliverable again, to others,
+        within the lease plus the declared ``release_margin`` at the latest; settles of
+        them afterwards raise ``LeaseExpired``."""
 
 
 class Driver(abc.ABC):
@@ -87,7 +108,11 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, envelopes: Sequence[Envelope]) -> None:
-        """Send and wait for the broker's confirmation of every envelope."""
+        """Send and wait for the broker's confirmation of every envelope (at most
+        ``max_batch``, already validated and encoded: ``wire.encode`` gives the headers).
+        Never retried here (a retry could duplicate what the broker did store); on a partial
+        failure raise ``PublishError.from_outcomes``, so the caller knows which ids were
+        confirmed and which may have landed."""
 
     def publish_columns(self, columns: Columns) -> None:
         """``publish`` for a column batch (at most ``max_batch`` rows), with the same duties
@@ -101,12 +126,19 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def subscribe(self, spec: GroupSpec) -> DriverSubscription:
-        """Attach a consumer to a declared group."""
+        """Attach a consumer to a declared group. ``capabilities.release_margin`` must be
+        truthful for it: a consumer that stops (hangs, is frozen or killed) without
+        settling loses its messages to the group's other consumers no later than its
+        lease's end plus that margin (the conformance suite's abandoned-consumer scenario
+        and the reliability freeze scenarios check it)."""
 
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         raise Unsupported("dead letters are not supported by this backend")
 
     def replay_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
+        """Put dead letters (all, or these ids) back into their group only, attempt 1, same
+        id, body, headers and key, without their delay or TTL (a replayed expired message
+        would expire again); return how many."""
         raise Unsupported("dead letters are not supported by this backend")
 
     def purge_dead_letters(self, group: str, ids: Collection[str] | None) -> int:
