@@ -71,7 +71,18 @@ def _lane(item: pytest.Item) -> str:
     return own + broker if own.endswith("-") else own
 
 
+_HERE = Path(__file__).parent
+
+
+def _ours(item: pytest.Item) -> bool:
+    """A test of this folder (the hook sees the whole session's items: the main stage
+    collects every other test too, and must keep its own groups and order)."""
+    return item.path.is_relative_to(_HERE)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not all(_ours(item) for item in items):
+        return  # a mixed run (the main stage): the fault lanes are the fault stage's
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_lane(item)))
     order = {lane: i for i, lane in enumerate(_LONGEST_FIRST)}
