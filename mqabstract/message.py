@@ -20,7 +20,6 @@ from . import codec, wire
 from .capabilities import Feature
 from .errors import AlreadySettled, InvalidArgument, LeaseExpired
 from .model import Delivery, utc
-from .requests import REPLY_PREFIX
 
 if TYPE_CHECKING:
     from .subscription import Subscription
@@ -128,7 +127,7 @@ class Message:
         Settle the request separately (``ack``), after the reply went out."""
         if not self.reply_to or not self.correlation_id:
             raise InvalidArgument(f"message {self.id!r} asked for no reply (no reply route)")
-        if not self.reply_to.startswith(REPLY_PREFIX):
+        if not self.reply_to.startswith(wire.REPLY_PREFIX):
             raise InvalidArgument(f"message {self.id!r} names {self.reply_to!r} as its reply "
                                   "route, which is not a reply route")
         return self._sub._broker._reply(self.reply_to, self.correlation_id, body, headers)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import Closed, MQError, Timeout
+from .wire import REPLY_PREFIX
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -35,10 +36,6 @@ log = logging.getLogger("mqabstract")
 REPLY_LEASE = 30.0
 #: Longest a waiting thread sleeps before it checks for its reply or takes the receive turn.
 TURN = 0.05
-
-
-#: Every reply route's topic starts so; ``Message.reply`` answers nothing else.
-REPLY_PREFIX = "mq-reply."
 
 
 class ReplyRoute:

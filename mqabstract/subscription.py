@@ -38,7 +38,6 @@ from .errors import AlreadySettled, Closed, InvalidArgument, LeaseExpired, MQErr
 from .guard import _Guard
 from .message import Message, _ran_out
 from .model import Delivery, GroupSpec
-from .requests import REPLY_PREFIX
 from .typed import Model
 from .url import redact
 
@@ -49,6 +48,7 @@ log = logging.getLogger("mqabstract")
 
 _EXPIRES_AT = wire.EXPIRES_AT
 _CORRELATION_ID = wire.CORRELATION_ID
+_REPLY_PREFIX = wire.REPLY_PREFIX
 #: Longest driver wait inside ``receive`` while the ordered-key gate holds messages.
 _HELD_POLL = 0.05
 
@@ -202,7 +202,7 @@ class Subscription:
             for delivery in batch:
                 if unseen and delivery.id in unseen:
                     delivery.attempt = max(1, delivery.attempt - unseen.pop(delivery.id))
-                if (self._skips_replies and delivery.topic.startswith(REPLY_PREFIX)
+                if (self._skips_replies and delivery.topic.startswith(_REPLY_PREFIX)
                         and delivery.headers and _CORRELATION_ID in delivery.headers):
                     replies.append(delivery)
                     continue

@@ -78,6 +78,7 @@ __all__ = [
     "PREFIX",
     "PUBLISHED_AT",
     "REASON",
+    "REPLY_PREFIX",
     "REPLY_TO",
     "TOPIC",
     "Fields",
@@ -107,6 +108,10 @@ TOPIC = "mq-topic"
 REPLY_TO = "mq-reply-to"
 CORRELATION_ID = "mq-correlation-id"
 HOPS = "mq-hops"
+
+#: Every reply route's topic starts so (``mq-reply-to`` names one): ``Message.reply``
+#: answers nothing else, and a wildcard group skips the replies on these topics.
+REPLY_PREFIX = "mq-reply."
 
 NAMES = frozenset({ID, ATTEMPT, PUBLISHED_AT, DELIVER_AT, EXPIRES_AT, REASON, DEAD_AT, KEY,
                    TOPIC, REPLY_TO, CORRELATION_ID, HOPS})
