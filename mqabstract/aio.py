@@ -56,7 +56,7 @@ from .consuming import (
 )
 from .dedupe import DedupeStore
 from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError, Timeout
-from .middleware import Publishing
+from .hooks import Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 from .outgoing import _batch_publishing, _with
 from .requests import ReplyRoute

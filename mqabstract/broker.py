@@ -28,8 +28,8 @@ from .consuming import Backoff, ConsumeStats
 from .driver import Driver
 from .errors import Closed, InvalidArgument, MQError, Unsupported
 from .guard import _Guard, _translate
+from .hooks import NO_MIDDLEWARE, Hooks, Publishing
 from .message import Message
-from .middleware import NO_MIDDLEWARE, Chain, Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats, OutgoingMessage
 from .options import check_options
 from .outgoing import Packer, _as_columns, _batch_publishing, _with
@@ -52,7 +52,7 @@ _GROUP_KEYWORDS = ("expired", "lease", "max_attempts", "model", "ordered", "prio
 class Broker:
     """A connection to one backend, chosen by URL. Use ``mqabstract.connect()`` to get one."""
 
-    def __init__(self, driver: Driver, url: BrokerURL, middleware: Chain = NO_MIDDLEWARE
+    def __init__(self, driver: Driver, url: BrokerURL, middleware: Hooks = NO_MIDDLEWARE
                  ) -> None:
         self._driver = driver
         self._chain = middleware

@@ -23,18 +23,20 @@ for the code it wraps.
 
 Exits and notices never change an outcome: what they raise is logged and dropped (a
 message that was sent must not look unsent, or a retry would duplicate it).
+
+This module is the public face (``Middleware``, ``Chain``); the calling itself is
+``hooks.py``, which the broker and the subscriptions use without importing this module.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .errors import InvalidArgument, MiddlewareError, MQError
+from .errors import InvalidArgument, MQError
+from .hooks import NO_MIDDLEWARE as NO_MIDDLEWARE
+from .hooks import Hooks, Publishing
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -43,26 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Middleware", "Publishing"]
 
-log = logging.getLogger("mqabstract")
-
 #: ``settled`` ops.
 OPS = ("ack", "nack", "dead_letter", "expired", "release")
-
-
-@dataclass(slots=True)
-class Publishing:
-    """One publish call, as middleware sees it.
-
-    ``topic`` is the destination when every message of the call shares one (else None);
-    ``count`` how many messages; ``headers`` what to add to each (a message's own header
-    of the same name wins); ``ids`` the message ids once the broker confirmed them.
-    """
-
-    backend: str
-    topic: str | None
-    count: int
-    headers: dict[str, str] = field(default_factory=dict)
-    ids: list[str] | None = None
 
 
 class Middleware:
@@ -96,11 +80,11 @@ def _overrides(mw: Middleware, hook: str) -> bool:
     return getattr(type(mw), hook) is not getattr(Middleware, hook)
 
 
-class Chain:
-    """The middleware installed on one broker, each hook's users precomputed so a broker
-    without middleware (or without a given hook) pays one truth test."""
+class Chain(Hooks):
+    """The middleware installed on one broker (``connect(middleware=)``): checked, each
+    listed under the hooks it overrides; ``Hooks`` calls them."""
 
-    __slots__ = ("handlers", "items", "publishers", "receivers", "settlers")
+    __slots__ = ()
 
     def __init__(self, items: Sequence[Middleware] | None = ()) -> None:
         if items is None:
@@ -114,137 +98,9 @@ class Chain:
                 raise InvalidArgument(
                     f"middleware must be mqabstract.Middleware instances, not "
                     f"{type(mw).__name__}")
-        self.items = tuple(items)
-        self.publishers = tuple(m for m in self.items if _overrides(m, "publishing"))
-        self.handlers = tuple(m for m in self.items if _overrides(m, "handling"))
-        self.receivers = tuple(m for m in self.items if _overrides(m, "received"))
-        self.settlers = tuple(m for m in self.items if _overrides(m, "settled"))
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
-    @staticmethod
-    def _enter(hooks: Sequence[Callable[[Any], ContextManager[object] | None]], arg: Any
-               ) -> list[ContextManager[object]]:
-        """Enter each hook's scope in order; if one fails, exit those entered and raise
-        ``MiddlewareError`` (``MQError``s pass as they are)."""
-        entered: list[ContextManager[object]] = []
-        for hook in hooks:
-            try:
-                scope = hook(arg)
-                if scope is not None:
-                    scope.__enter__()
-                    entered.append(scope)
-            except Exception as exc:
-                error = exc if isinstance(exc, MQError) else MiddlewareError(
-                    f"middleware {type(getattr(hook, '__self__', hook)).__name__} failed: "
-                    f"{type(exc).__name__}: {exc}")
-                _exit(entered, error)
-                if error is exc:
-                    raise
-                raise error from exc
-        return entered
-
-    def publish(self, pub: Publishing, send: Callable[[], list[str]]) -> list[str]:
-        """``send()`` inside every ``publishing`` scope."""
-        scopes = self._enter([m.publishing for m in self.publishers], pub)
-        try:
-            pub.ids = send()
-        except BaseException as exc:
-            _exit(scopes, exc)
-            raise
-        _exit(scopes, None)
-        return pub.ids
-
-    async def apublish(self, pub: Publishing, send: Callable[[], Awaitable[list[str]]]
-                       ) -> list[str]:
-        """``await send()`` inside every ``publishing`` scope (entered on this task)."""
-        scopes = self._enter([m.publishing for m in self.publishers], pub)
-        try:
-            pub.ids = await send()
-        except BaseException as exc:
-            _exit(scopes, exc)
-            raise
-        _exit(scopes, None)
-        return pub.ids
-
-    def wrap(self, handler: Callable[[Message], object]) -> Callable[[Message], object]:
-        """``handler`` inside every ``handling`` scope (itself when there is none)."""
-        if not self.handlers:
-            return handler
-        hooks = [m.handling for m in self.handlers]
-
-        def handle(msg: Message) -> object:
-            scopes = self._enter(hooks, msg)
-            try:
-                out = handler(msg)
-            except BaseException as exc:
-                _exit(scopes, exc)
-                raise
-            _exit(scopes, None)
-            return out
-
-        return handle
-
-    async def ahandle(self, msg: Message, call: Callable[[], Awaitable[object]]) -> object:
-        """``await call()`` inside every ``handling`` scope for ``msg``."""
-        scopes = self._enter([m.handling for m in self.handlers], msg)
-        try:
-            out = await call()
-        except BaseException as exc:
-            _exit(scopes, exc)
-            raise
-        _exit(scopes, None)
-        return out
-
-    def now(self) -> int:
-        """The start time to pass to ``received``/``settled`` (0 when nobody listens)."""
-        return time.time_ns() if self.receivers or self.settlers else 0
-
-    def received(self, sub: Subscription, messages: Sequence[Message], started: int) -> None:
-        for mw in self.receivers:
-            try:
-                mw.received(sub, messages, started)
-            except Exception:
-                log.exception("middleware %s: received failed", type(mw).__name__)
-
-    def settled(self, sub: Subscription, op: str, messages: Sequence[Message], started: int,
-                error: MQError | None = None) -> None:
-        for mw in self.settlers:
-            try:
-                mw.settled(sub, op, messages, started, error)
-            except Exception:
-                log.exception("middleware %s: settled failed", type(mw).__name__)
-
-    def bind(self, broker: Broker) -> None:
-        """Bind each middleware; one that fails is a ``MiddlewareError`` (the caller
-        closes what it opened)."""
-        for mw in self.items:
-            try:
-                mw.bind(broker)
-            except MQError:
-                raise
-            except Exception as exc:
-                raise MiddlewareError(f"middleware {type(mw).__name__} failed to bind: "
-                                      f"{type(exc).__name__}: {exc}") from exc
-
-    def unbind(self, broker: Broker) -> None:
-        for mw in self.items:
-            try:
-                mw.unbind(broker)
-            except Exception:
-                log.exception("middleware %s: unbind failed", type(mw).__name__)
-
-
-def _exit(scopes: list[ContextManager[object]], exc: BaseException | None) -> None:
-    """Exit ``scopes`` innermost first. They see ``exc`` but cannot swallow it, and what
-    they raise is logged, never propagated."""
-    info = (None, None, None) if exc is None else (type(exc), exc, exc.__traceback__)
-    for scope in reversed(scopes):
-        try:
-            scope.__exit__(*info)
-        except Exception:
-            log.exception("middleware scope %s failed on exit", type(scope).__name__)
-
-
-NO_MIDDLEWARE = Chain()
+        super().__init__(
+            items,
+            publishers=[m for m in items if _overrides(m, "publishing")],
+            handlers=[m for m in items if _overrides(m, "handling")],
+            receivers=[m for m in items if _overrides(m, "received")],
+            settlers=[m for m in items if _overrides(m, "settled")])

@@ -29,7 +29,7 @@ from .errors import (
     ValidationError,
 )
 from .guard import _translate
-from .middleware import Publishing
+from .hooks import Publishing
 from .model import Columns, Envelope, OutgoingMessage
 
 
