@@ -746,7 +746,9 @@ class AsyncBroker:
                 ended = True
                 for route, correlation in waiting:
                     route.forget(correlation)
-        return AsyncMessage(reply, AsyncSubscription(reply._sub, self._run))
+        sub = reply._sub  # the reply route's (a Message names it only as its Source)
+        assert isinstance(sub, Subscription)
+        return AsyncMessage(reply, AsyncSubscription(sub, self._run))
 
     async def close(self) -> None:
         """Close the broker (its subscriptions first), then the I/O pool."""

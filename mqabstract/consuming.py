@@ -18,11 +18,11 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .capabilities import Feature
 from .checks import check_count, check_seconds
@@ -31,9 +31,10 @@ from .errors import DecodeError, Duplicate, InvalidArgument, LeaseExpired, MQErr
 from .url import redact
 
 if TYPE_CHECKING:
+    from .host import Host
     from .message import Message
     from .model import GroupSpec
-    from .subscription import Subscription
+    from .typed import Model
 
 __all__ = ["Backoff", "ConsumeStats"]
 
@@ -41,6 +42,30 @@ log = logging.getLogger("mqabstract")
 
 #: Signals a consume loop stops on when asked to (``signals=True``).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Consumable(Protocol):
+    """The subscription a consume loop runs on, as the loop uses it (``Subscription``
+    has it): receive, hand back, stop, and the group's settings."""
+
+    @property
+    def spec(self) -> GroupSpec: ...
+
+    @property
+    def model(self) -> Model | None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def _stop(self) -> threading.Event: ...
+
+    @property
+    def _broker(self) -> Host: ...
+
+    def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]: ...
+
+    def _release(self, messages: Iterable[Message]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -171,7 +196,7 @@ class Flight:
 class ConsumeLoop:
     """One ``consume`` run's settings and state: checked before anything is received."""
 
-    def __init__(self, sub: Subscription, *, max_messages: int | None,
+    def __init__(self, sub: Consumable, *, max_messages: int | None,
                  idle_timeout: float | None, batch: int, wait: float,
                  backoff: Backoff | None, concurrency: int, auto_extend: bool | None,
                  grace: float, dedupe: DedupeStore | None = None) -> None:
@@ -398,7 +423,7 @@ class ThreadedConsume:
     (``concurrency=1``) or on a pool of ``concurrency`` threads, renews leases on a thread of
     its own."""
 
-    def __init__(self, sub: Subscription, handler: Callable[[Message], object],
+    def __init__(self, sub: Consumable, handler: Callable[[Message], object],
                  loop: ConsumeLoop, stop: threading.Event | None) -> None:
         self.sub, self.handler, self.loop, self.stop = sub, handler, loop, stop
         self.flight = loop.flight

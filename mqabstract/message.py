@@ -4,29 +4,65 @@ What a consumer holds: the delivery's fields, its decoded ``value``, request/rep
 properties, and ``ack`` / ``nack`` / ``dead_letter`` / ``extend`` under the one lease rule.
 The bookkeeping behind a settle (the driver call, the ordered-key gate, middleware
 notices) is its ``Subscription``'s; a message only decides whether it may still settle.
-Separate from ``subscription.py``: it is what the application holds, and it names its
-subscription only as a type.
+Separate from ``subscription.py``, and below it: it is what the application holds, and it
+names its subscription only by what it uses of it (``Source``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import codec, wire
 from .capabilities import Feature
 from .errors import AlreadySettled, InvalidArgument, LeaseExpired
-from .model import Delivery, utc
-
-if TYPE_CHECKING:
-    from .subscription import Subscription
+from .host import Host
+from .model import Delivery, GroupSpec, utc
+from .typed import Model
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _CARRIED = wire.CARRIED
 _UNDECODED = object()
+
+
+class Source(Protocol):
+    """The subscription a message came from, as the message uses it: the lease rule's
+    bookkeeping and the settles run there (``Subscription`` has it)."""
+
+    @property
+    def model(self) -> Model | None: ...
+
+    @property
+    def spec(self) -> GroupSpec: ...
+
+    @property
+    def _broker(self) -> Host: ...
+
+    @property
+    def _lock(self) -> threading.Lock: ...
+
+    @property
+    def _unsettled(self) -> set[Message]: ...
+
+    def _check_open(self) -> None: ...
+
+    def _gone(self, messages: Sequence[Message]) -> None: ...
+
+    def _forget(self, msg: Message) -> None: ...
+
+    def _check_nack(self, delay: object) -> None: ...
+
+    def _settle_nack(self, msg: Message, delay: float) -> None: ...
+
+    def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None: ...
+
+    def _extend(self, msg: Message, seconds: object) -> None: ...
+
+    def ack_many(self, messages: Iterable[Message]) -> None: ...
 
 
 def _ran_out(late: Sequence[Message]) -> LeaseExpired:
@@ -64,7 +100,7 @@ class Message:
         "topic",
     )
 
-    def __init__(self, delivery: Delivery, sub: Subscription, deadline: float) -> None:
+    def __init__(self, delivery: Delivery, sub: Source, deadline: float) -> None:
         self.id: str = delivery.id
         self.topic: str = delivery.topic
         self.body: bytes = delivery.body

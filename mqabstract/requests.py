@@ -20,13 +20,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import Closed, MQError, Timeout
 from .wire import REPLY_PREFIX
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from .capabilities import Capabilities
     from .message import Message
     from .subscription import Subscription
 
@@ -38,10 +38,22 @@ REPLY_LEASE = 30.0
 TURN = 0.05
 
 
+class Requester(Protocol):
+    """The broker a reply route belongs to, as the route uses it (``Broker`` has it): it
+    subscribes the route's group and deletes it at the end."""
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def subscribe(self, group: str, pattern: str, *, lease: float = ...) -> Subscription: ...
+
+    def delete_group(self, group: str) -> None: ...
+
+
 class ReplyRoute:
     """One requester's reply group, private topic and waiters."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Requester) -> None:
         token = secrets.token_hex(8)
         self.topic = f"{REPLY_PREFIX}{token}"
         self.group = f"mq-reply-{token}"

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from . import wire
 from .capabilities import Feature
@@ -36,13 +36,12 @@ from .driver import DriverSubscription
 from .emulation.ordering import RETURN_PATIENCE, KeyGate
 from .errors import AlreadySettled, Closed, InvalidArgument, LeaseExpired, MQError
 from .guard import _Guard
+from .hooks import Hooks
+from .host import Host
 from .message import Message, _ran_out
 from .model import Delivery, GroupSpec
 from .typed import Model
 from .url import redact
-
-if TYPE_CHECKING:
-    from .broker import Broker
 
 log = logging.getLogger("mqabstract")
 
@@ -51,6 +50,17 @@ _CORRELATION_ID = wire.CORRELATION_ID
 _REPLY_PREFIX = wire.REPLY_PREFIX
 #: Longest driver wait inside ``receive`` while the ordered-key gate holds messages.
 _HELD_POLL = 0.05
+
+
+class _Broker(Host, Protocol):
+    """The ``Broker`` as a subscription uses it: the consumer side's ``Host``, the
+    middleware it tells of receives and settles, and the call that takes a closed
+    subscription off its broker."""
+
+    @property
+    def _chain(self) -> Hooks: ...
+
+    def _forget(self, sub: Subscription) -> None: ...
 
 
 def _ttl_ended(text: str, now: float) -> bool:
@@ -99,7 +109,7 @@ class _Settling:
 class Subscription:
     """A consumer attached to a group; messages of the group are shared among its consumers."""
 
-    def __init__(self, broker: Broker, spec: GroupSpec, inner: DriverSubscription,
+    def __init__(self, broker: _Broker, spec: GroupSpec, inner: DriverSubscription,
                  model: Model | None = None) -> None:
         self._broker = broker
         self._inner = inner
