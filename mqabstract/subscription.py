@@ -1,12 +1,14 @@
 """``Subscription``: one consumer attached to a group, and everything it keeps.
 
 ``receive`` applies the portable rules to what the driver returns (the lease rule, the
-dead-letter decision after ``max_attempts``, TTL, others' replies skipped); the ordered-key
-gate holds a key's later messages back on brokers that would hand them out early, its
-keeper thread renewing their leases; the settles ``Message`` asks for run here, with
-middleware told how they went (``_Settling``); ``consume`` runs the loop of ``consuming``
-on threads. Separate from ``broker.py``: the consumer side keeps its own state (unsettled
-messages, the gate, the keeper) and needs nothing of the publish path.
+dead-letter decision after ``max_attempts``, TTL, others' replies skipped) and passes an
+ordered group's messages through its ``Gatekeeper`` (``gatekeeper.py``: the ordered-key
+gate and the keeper thread renewing held leases) on brokers that would hand out a key's
+later messages early; the settles ``Message`` asks for run here, with middleware told how
+they went (``_Settling``); ``consume`` runs the loop of ``consuming`` on threads.
+Separate from ``broker.py``: the consumer side keeps its own state (unsettled messages,
+the gatekeeper) and needs nothing of the publish path; it names its broker by what it
+uses of it (``_Broker``, a ``host.Host``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from .consuming import (
 )
 from .dedupe import DedupeStore
 from .driver import DriverSubscription
-from .emulation.ordering import RETURN_PATIENCE, KeyGate
 from .errors import AlreadySettled, Closed, InvalidArgument, LeaseExpired, MQError
+from .gatekeeper import Gatekeeper
 from .guard import _Guard
 from .hooks import Hooks
 from .host import Host
@@ -124,17 +126,9 @@ class Subscription:
         # group acks its copies away unseen.
         self._skips_replies = spec.pattern.split(".", 1)[0] in ("#", "*")
         # Ordered groups on a broker that would hand out a key's next message while an
-        # earlier one is out: the gate holds the later ones back (one rule, kept here).
-        caps = broker.capabilities
-        self._gate: KeyGate[Message] | None = (
-            KeyGate(max(2 * spec.lease, RETURN_PATIENCE), hand_back=caps.key_gate == "hand_back")
-            if spec.ordered and caps.key_gate != "broker" else None)
-        self._can_extend = caps.supports(Feature.LEASE_EXTEND)
-        self._keeper: threading.Thread | None = None
-        self._keeper_stop = threading.Event()
-        # Held messages handed back unseen (key_gate="hand_back") -> how many times: the
-        # broker counted those receives as deliveries; the application never saw them.
-        self._unseen: dict[str, int] = {}
+        # earlier one is out: the gatekeeper's gate holds the later ones back (one rule).
+        gated = spec.ordered and broker.capabilities.key_gate != "broker"
+        self._gatekeeper = Gatekeeper(self) if gated else None
 
     @property
     def group(self) -> str:
@@ -178,11 +172,11 @@ class Subscription:
         # as long as the lease returned every message late: an SQS group with a 1 s lease
         # never dead-lettered an exhausted message while it idled).
         step = max(spec.lease / 4, min(caps.min_lease, spec.lease / 2))
-        gate = self._gate
+        keeper = self._gatekeeper
         while True:
             span = step
-            if gate is not None and len(gate):
-                out += self._unhold(max_messages - len(out))
+            if keeper is not None and len(keeper.gate):
+                out += keeper.unhold(max_messages - len(out))
                 if len(out) >= max_messages:
                     break
                 # Another thread's settle frees a held key: short driver waits see it soon.
@@ -208,7 +202,7 @@ class Subscription:
             fresh: list[Message] = []
             ended: list[Delivery] = []
             replies: list[Delivery] = []
-            unseen = self._unseen
+            unseen = keeper.unseen if keeper is not None else None
             for delivery in batch:
                 if unseen and delivery.id in unseen:
                     delivery.attempt = max(1, delivery.attempt - unseen.pop(delivery.id))
@@ -219,15 +213,15 @@ class Subscription:
                 if dead_letters and delivery.attempt > spec.max_attempts:
                     if self._broker._monotonic() < lease_deadline:  # else: it comes again
                         self._expire(delivery)
-                        if gate is not None:
-                            self._gate_forget(delivery)
+                        if keeper is not None:
+                            keeper.forget(delivery)
                     continue
                 if delivery.headers and _EXPIRES_AT in delivery.headers:
                     now = now or self._broker._now()
                     if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
                         ended.append(delivery)
-                        if gate is not None:
-                            self._gate_forget(delivery)
+                        if keeper is not None:
+                            keeper.forget(delivery)
                         continue
                 fresh.append(Message(delivery, self, lease_deadline))
             if (replies or ended) and self._broker._monotonic() >= lease_deadline:
@@ -247,8 +241,8 @@ class Subscription:
                             "while others were settled; they are delivered again",
                             spec.name, len(fresh))
                 fresh = []
-            if gate is not None and fresh:
-                fresh = self._admit(fresh)
+            if keeper is not None and fresh:
+                fresh = keeper.admit(fresh)
             out += fresh
             if out or self._closed or time.monotonic() >= deadline:
                 break
@@ -258,151 +252,6 @@ class Subscription:
             if chain.receivers:
                 chain.received(self, out, started)
         return out
-
-    # -- the ordered-key gate (groups declared ordered=True on brokers that would hand out
-    # a key's next message while an earlier one is out: Capabilities.key_gate) -----------
-    def _admit(self, fresh: list[Message]) -> list[Message]:
-        """Received messages through the gate: those that go out now (the rest are held,
-        their leases renewed by the keeper thread until their key is free)."""
-        gate = self._gate
-        assert gate is not None
-        now = self._broker._monotonic()
-        with self._lock:
-            out = [m for m in fresh if gate.admit(m, now)]
-            if len(gate) and (self._keeper is None or not self._keeper.is_alive()):
-                self._keeper = threading.Thread(
-                    target=self._keep, name=f"mqabstract-held-{self.spec.name}", daemon=True)
-                self._keeper.start()
-            back = self._outgoing_locked()
-        if back:
-            self._hand_back(back)
-        return out
-
-    def _hand_back(self, messages: list[Message]) -> None:
-        """Give held messages back to the broker unseen; their next delivery here does not
-        count this one (the broker did: SQS's receive count)."""
-        unseen = self._unseen
-        if len(unseen) > 10_000:  # ids that came back to other consumers: forget them
-            unseen.clear()
-        for msg in messages:
-            unseen[msg.id] = unseen.get(msg.id, 0) + 1
-        self._release(messages)
-
-    def _outgoing_locked(self) -> list[Message]:
-        """Held messages the gate gives back to the broker (``key_gate="hand_back"``)."""
-        gate = self._gate
-        if gate is None or not gate.outgoing:
-            return []
-        out, gate.outgoing = gate.outgoing, []
-        return out
-
-    def _unhold(self, limit: int) -> list[Message]:
-        """Held messages whose key became free, each with a fresh lease from now (one
-        whose lease is gone is never handed out: it comes again, first of its key)."""
-        gate = self._gate
-        assert gate is not None
-        now = self._broker._monotonic()
-        with self._lock:
-            ready = gate.ready(now, limit)
-            back = self._outgoing_locked()
-        if back:
-            self._hand_back(back)
-        out: list[Message] = []
-        for i, msg in enumerate(ready):
-            try:
-                renewed = self._renew(msg)
-            except BaseException:
-                with self._lock:
-                    for rest in reversed(ready[i:]):
-                        gate.put_back(rest)
-                if out:
-                    with self._lock:
-                        self._unsettled.update(out)
-                raise
-            if renewed:
-                out.append(msg)
-            else:
-                with self._lock:
-                    gate.returned(msg, now + gate.patience)
-        return out
-
-    def _renew(self, msg: Message) -> bool:
-        """Renew a held message's lease for a whole lease from now; False when it is gone
-        (without lease extend: whether its first lease still runs)."""
-        broker = self._broker
-        now = broker._monotonic()
-        if now >= msg._deadline or not self._can_extend:  # the lease rule: ours ended
-            return now < msg._deadline
-        renewed = now + self.spec.lease  # read before the driver renews
-        try:
-            with broker._guard:
-                self._inner.extend(msg._receipt, self.spec.lease)
-        except LeaseExpired:
-            return False
-        msg._deadline = renewed
-        return True
-
-    def _renew_held(self) -> int:
-        """Renew the leases of held messages with less than half a lease left, so their
-        broker lease never runs out while they wait; returns how many are held."""
-        gate = self._gate
-        assert gate is not None
-        now = self._broker._monotonic()
-        with self._lock:
-            due = gate.renewals(now, self.spec.lease / 2)
-        for msg in due:
-            try:
-                kept = self._renew(msg)
-            except MQError as exc:  # the broker away for a moment: the next tick retries
-                log.debug("renewing a held message of group %r: %s", self.spec.name, exc)
-                continue
-            if not kept:
-                with self._lock:
-                    gate.lost(msg, now + gate.patience)
-        with self._lock:
-            back = self._outgoing_locked()
-        if back:
-            self._hand_back(back)
-        with self._lock:
-            return len(gate)
-
-    def _keep(self) -> None:
-        """The keeper thread: renews held leases every quarter lease while any are held."""
-        tick = min(max(self.spec.lease / 4, 0.01), 5.0)
-        while not self._keeper_stop.wait(tick):
-            try:
-                if not self._renew_held():
-                    with self._lock:
-                        if self._gate is None or not len(self._gate):
-                            self._keeper = None
-                            return
-            except Exception as exc:  # e.g. Closed while closing
-                log.debug("keeper of group %r: %s", self.spec.name, exc)
-
-    def _ungate(self, messages: Iterable[Message], back: float | None) -> None:
-        """Settled: ``back`` None, done (acked, dead-lettered): the key is free; else the
-        message comes again after ``back`` seconds and its key waits for it."""
-        gate = self._gate
-        if gate is None:
-            return
-        with self._lock:
-            if back is None:
-                for msg in messages:
-                    gate.done(msg)
-            else:
-                until = self._broker._monotonic() + back + gate.patience
-                for msg in messages:
-                    gate.returned(msg, until)
-            out = self._outgoing_locked()
-        if out:
-            self._hand_back(out)
-
-    def _gate_forget(self, delivery: Delivery) -> None:
-        """A delivery nobody is shown (dead-lettered or expired on receipt) will not come
-        again: its key stops waiting for it."""
-        assert self._gate is not None
-        with self._lock:
-            self._gate.gone(delivery.key, delivery.id)
 
     def _ttl_ended(self, deliveries: Sequence[Delivery], dead_letters: bool) -> None:
         """Their TTL ended before this group received them: never delivered; dead-lettered
@@ -442,6 +291,11 @@ class Subscription:
             chain.settled(self, "expired", messages, chain.now())
 
     # -- settlement (called by Message) ---------------------------------------------------
+    def _ungate(self, messages: Iterable[Message], back: float | None) -> None:
+        """Tell an ordered group's gatekeeper of settled messages (``Gatekeeper.ungate``)."""
+        if self._gatekeeper is not None:
+            self._gatekeeper.ungate(messages, back)
+
     def _forget(self, msg: Message) -> None:
         with self._lock:
             self._unsettled.discard(msg)
@@ -507,7 +361,7 @@ class Subscription:
                         msg._state = None
                         self._unsettled.add(msg)
                 raise
-            if self._gate is not None:
+            if self._gatekeeper is not None:
                 self._ungate(todo, None)
         if late:
             self._gone(newly_late)
@@ -616,12 +470,14 @@ class Subscription:
         if self._closed:
             return
         self._stop.set()
-        self._keeper_stop.set()
+        keeper = self._gatekeeper
+        if keeper is not None:
+            keeper.stop()
         with self._lock:
             pending = list(self._unsettled)
             self._unsettled.clear()
             # Held ones go back after their key's head, in their order.
-            pending += self._gate.drain() if self._gate is not None else ()
+            pending += keeper.gate.drain() if keeper is not None else ()
         self._release(pending)
         self._closed = True
         self._broker._forget(self)

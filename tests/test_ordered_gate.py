@@ -213,9 +213,11 @@ def test_lease_expiry_frees_the_slot_and_the_expired_one_comes_first(
     sub = mq.subscribe("g", "t.#", ordered=True, lease=LEASE)
     _publish(mq, "a:1", "a:2")
     [a1] = sub.receive(10)
-    sub._renew_held()  # (the keeper thread does this on its own tick)
+    gatekeeper = sub._gatekeeper
+    assert gatekeeper is not None
+    gatekeeper.renew_held()  # (the keeper thread does this on its own tick)
     clock.advance(LEASE / 2)
-    sub._renew_held()
+    gatekeeper.renew_held()
     clock.advance(LEASE / 2)  # a:1's lease ends; a:2's was renewed
     with pytest.raises(mqabstract.LeaseExpired):
         a1.ack()
@@ -232,10 +234,12 @@ def test_held_leases_are_renewed_and_handed_out_with_a_whole_lease(
     rival = mq.subscribe("g", "t.#", ordered=True, lease=LEASE)
     _publish(mq, "a:1", "a:2")
     [a1] = sub.receive(10)
+    gatekeeper = sub._gatekeeper
+    assert gatekeeper is not None
     for _ in range(8):  # 4 leases of holding a:1
         clock.advance(LEASE / 2)
         a1.extend(LEASE)
-        sub._renew_held()
+        gatekeeper.renew_held()
         assert rival.receive(10) == []  # a:2's broker lease never ran out
     a1.ack()
     [a2] = sub.receive(10)
@@ -276,9 +280,11 @@ def test_the_keeper_thread_renews_on_its_own(mq: mqabstract.Broker, clock: FakeC
     sub = mq.subscribe("g", "t.#", ordered=True, lease=0.2)
     _publish(mq, "a:1", "a:2")
     [a1] = sub.receive(10)
-    keeper = sub._keeper
+    gatekeeper = sub._gatekeeper
+    assert gatekeeper is not None
+    keeper = gatekeeper.keeper
     assert keeper is not None and keeper.is_alive()
-    held = next(sub._gate.held())  # type: ignore[union-attr]
+    held = next(gatekeeper.gate.held())
     clock.advance(0.15)
     deadline = time.monotonic() + 5
     while held._deadline < clock.monotonic() + 0.1:
@@ -289,7 +295,7 @@ def test_the_keeper_thread_renews_on_its_own(mq: mqabstract.Broker, clock: FakeC
     [a2] = sub.receive(10)
     a2.ack()
     deadline = time.monotonic() + 5
-    while sub._keeper is not None:  # nothing held: it ends
+    while gatekeeper.keeper is not None:  # nothing held: it ends
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
