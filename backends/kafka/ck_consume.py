@@ -230,7 +230,8 @@ class _Member(_Reader, Member):
         self.gate = threading.Condition()
         self.waiting = 0  # threads waiting to commit
         self.closed = False  # a closed librdkafka consumer must not be called (it crashes)
-        self.commits: collections.deque[tuple[Any, Any, _Landing]] = collections.deque()
+        self.commits: collections.deque[tuple[Any, Any, _Landing, object]] = (
+            collections.deque())
         self.committer: threading.Thread | None = None
         super().__init__(s, group, **{
             "session.timeout.ms": s.session_timeout_ms,
@@ -330,13 +331,18 @@ class _Member(_Reader, Member):
         return meta, _generation(meta)
 
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
-               done: Callable[[ClientError | None], None]) -> Pending:
+               done: Callable[[ClientError | None], None],
+               expect: object = None) -> Pending:
         """Queue the commit for the committer thread; its outcome comes as a Pending.
 
         The binding's commit is synchronous and has no time limit of its own: made by the
         caller, a broker that hangs (seen with ``docker pause``) held ``receive`` for as
         long as it hung, whatever its timeout. One committer thread keeps the commits in
         the order they were made; the caller waits on the Pending as long as it wants.
+        A queued commit is not sent when the membership (member id, generation) differs
+        from ``expect`` by then: librdkafka sends it with the generation current at send
+        time, so a commit built before the member lost its partitions and sent after its
+        rejoin would be accepted and overwrite the checkpoints of their new owner.
         """
         self.busy_until = time.monotonic() + 2.0
         native = [ck.TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()]
@@ -347,7 +353,7 @@ class _Member(_Reader, Member):
                 done(failure)
                 return _Done(failure)
             self.waiting += 1
-            self.commits.append((native, done, pending))
+            self.commits.append((native, done, pending, expect))
             if self.committer is None:
                 self.committer = threading.Thread(target=self._commit_loop, daemon=True,
                                                   name=f"mq-kafka-commit-{self.topic}")
@@ -362,9 +368,12 @@ class _Member(_Reader, Member):
                     self.gate.wait(1.0)
                 if not self.commits:
                     return  # closed, and nothing left to send
-            native, done, pending = self.commits.popleft()
+            native, done, pending, expect = self.commits.popleft()
             failure: ClientError | None = None
             try:
+                if expect is not None and self.c.consumer_group_metadata() != expect:
+                    raise ClientError(Kind.FENCED, "the group membership changed since the "
+                                                   "offsets were read: not sent")
                 for item in self.c.commit(offsets=native, asynchronous=False) or ():
                     if item.error is not None:
                         failure = _error(item.error, f"{item.topic}[{item.partition}]: ")

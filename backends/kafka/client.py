@@ -308,10 +308,16 @@ class Member(Reader):
 
     @abc.abstractmethod
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
-               done: Callable[[ClientError | None], None]) -> Pending:
+               done: Callable[[ClientError | None], None],
+               expect: object = None) -> Pending:
         """Schedule an asynchronous commit of (offset, metadata) per partition, in order
         with earlier ones; any thread. ``done`` is called with its outcome. Partitions need
-        not be assigned to this member: the coordinator checks member id and generation."""
+        not be assigned to this member: the coordinator checks member id and generation.
+
+        ``expect``: the membership snapshot (``group_meta``) the offsets were read under.
+        When the membership has changed by the time the commit would be sent, it is not
+        sent (``Kind.FENCED``): sent under a later generation (after a rejoin) it would be
+        accepted, also for partitions that another member owned in between."""
 
 
 class Client(abc.ABC):

@@ -456,9 +456,16 @@ class _Member(_Reader, Member):
         return meta, meta.generation_id if meta.member_id else -1
 
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
-               done: Callable[[ClientError | None], None]) -> Pending:
+               done: Callable[[ClientError | None], None],
+               expect: object = None) -> Pending:
         native = {TopicPartition(*tp): OffsetAndMetadata(o, m, -1)
                   for tp, (o, m) in offsets.items()}
+        # (sent right here, under the caller's commit lock: checked just before)
+        if expect is not None and _identity(self.c.group_metadata()) != _identity(expect):
+            err = ClientError(Kind.FENCED, "the group membership changed since the offsets "
+                                           "were read: not sent")
+            done(err)
+            raise err
 
         def landed(_offsets: Any, result: Any) -> None:
             done(classify(result) if isinstance(result, BaseException) else None)
@@ -477,6 +484,11 @@ class _Member(_Reader, Member):
             done(err)
             raise err from exc
         return _Pending(future)
+
+
+def _identity(meta: object) -> tuple[object, object]:
+    """Generation and member id of a ``group_metadata()`` snapshot (not its state)."""
+    return getattr(meta, "generation_id", None), getattr(meta, "member_id", None)
 
 
 class _Mover(Mover):

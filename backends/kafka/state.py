@@ -96,9 +96,9 @@ def ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
 class Part:
     """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
 
-    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "hold", "inherited",
-                 "mark", "meta", "moved", "moving", "next_fetch", "order", "revoked_at",
-                 "sent_meta")
+    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "gen", "hold",
+                 "inherited", "mark", "meta", "moved", "moving", "next_fetch", "order",
+                 "revoked_at", "sent_meta")
 
     def __init__(self, found: tuple[int, str] | None) -> None:
         committed = found[0] if found is not None else None
@@ -114,6 +114,11 @@ class Part:
         self.mark = max(ckpt.mark, committed or 0)
         self.deadline = ckpt.deadline
         self.revoked_at: tuple[int | None, str | None] | None = None
+        # The group generation whose assignment gave us this partition (None: unknown).
+        # Only a commit made in that generation proves we own it (see ``checkpoint``'s
+        # callers): the coordinator checks commits against the member's current
+        # generation, not against its assignment.
+        self.gen: int | None = None
         self.moving: set[int] = set()  # see Checkpoint.moving (carried on to later owners)
         self.moved: frozenset[int] = frozenset()  # inherited moving offsets
         # Records below the inherited mark were handed to an application by earlier owners

@@ -126,7 +126,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
             return [Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0, rec.n + 1,
                              rec.published_at, token) for token, rec in picked]
 
-    def _fence_for(self, rec: Rec, move: bool = True) -> object:
+    def _fence_for(self, rec: Rec, move: bool = True) -> tuple[object, int | None] | None:
         """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter: ``move``,
         then ``_end_move`` after the write; returns the group snapshot for the
         transaction, ``_snapshot``) or extends its lease: wait out a rebalance within the
@@ -219,6 +219,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
             # A consumer woken from a freeze (or that lost the partition) must not write a
             # copy: the partition's new owner delivers the original with a higher attempt.
             meta = self._fence_for(rec)
+            assert meta is not None  # (a move: the snapshot)
         except MQError:
             self._keep(rec, receipt)
             raise

@@ -113,38 +113,52 @@ class GroupMember(SubscriptionState):
             # (not waiting for commit_lock: a transaction may hold it; next round)
             self._send_checkpoints(None, patience=0)
 
-    def _checkpoints(self, force: Collection[TP]) -> dict[TP, tuple[int, str]]:
-        """The checkpoints that changed since last sent, plus those of ``force``."""
+    def _checkpoints(self, force: Collection[TP], gen: int | None
+                     ) -> tuple[dict[TP, tuple[int, str]], set[TP]]:
+        """The checkpoints that changed since last sent, plus those of ``force``; and the
+        partitions left out because they were not assigned to us in generation ``gen``,
+        the member's current one (a commit in ``gen`` would land, and overwrite what
+        their owner in ``gen`` committed)."""
         offsets: dict[TP, tuple[int, str]] = {}
+        foreign: set[TP] = set()
         with self.lock:
             for tp, part in self.parts.items():
+                if gen is not None and part.gen is not None and part.gen != gen:
+                    foreign.add(tp)
+                    continue
                 point, meta = part.checkpoint(self.ckpt_limit)
                 if point is None:
                     continue
                 if point != part.committed or meta != part.meta or tp in force:
                     offsets[tp] = (point, meta)
                     part.committed, part.meta = point, meta
-        return offsets
+        return offsets, foreign
 
-    def _schedule(self, force: Collection[TP], patience: float = -1) -> Pending | None:
-        """Send the changed checkpoints (plus those of ``force``) as one commit; None when
-        there was nothing to send (or ``commit_lock`` was not free within ``patience``).
+    def _schedule(self, force: Collection[TP], patience: float = -1
+                  ) -> tuple[Pending | None, int | None, set[TP]]:
+        """Send the changed checkpoints (plus those of ``force``) as one commit. Returns
+        its Pending (None when there was nothing to send, or ``commit_lock`` was not free
+        within ``patience``), the generation it was built in and the partitions left out
+        as not ours in that generation (``_checkpoints``).
 
         Built and sent under ``commit_lock``: commits go out in the order their contents
         were read, so a later commit never carries an older mark. A client may commit
         synchronously under it (confluent-kafka), so a rebalance listener, which can run
-        inside the poll such a commit waits for, passes a ``patience``.
+        inside the poll such a commit waits for, passes a ``patience``. The commit is
+        tied to the membership it was built in: the client does not send it once that
+        changed (``Member.commit``'s ``expect``).
         """
         if not self.commit_lock.acquire(timeout=patience):
-            return None
+            return None, None, set()
         try:
-            offsets = self._checkpoints(force)
+            membership, gen = self.group.group_meta()
+            offsets, foreign = self._checkpoints(force, gen)
             if not offsets:
-                return None
+                return None, gen, foreign
             sent: Pending = self.group.commit(
-                offsets, lambda err: self._committed(offsets, err))
+                offsets, lambda err: self._committed(offsets, err), expect=membership)
             self.last_sent = sent
-            return sent
+            return sent, gen, foreign
         finally:
             self.commit_lock.release()
 
@@ -172,13 +186,25 @@ class GroupMember(SubscriptionState):
         if not self.group.stable():
             raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
         try:
-            sent = self._schedule(force)
+            sent, gen, foreign = self._schedule(force)
         except ClientError as exc:
+            if exc.kind is Kind.FENCED:
+                raise LeaseExpired(f"consumer of {self.spec.name!r}: {exc}") from exc
             raise native(exc, f"commit of {self.spec.name!r} failed", self.d.url) from exc
+        if foreign & set(force):
+            # Kept from an earlier generation that the client moved on from without
+            # revoking them here: a commit in this one proves nothing for them.
+            raise LeaseExpired(f"partitions {sorted(foreign & set(force))} of "
+                               f"{self.spec.name!r} are not ours in generation {gen}")
         if sent is None:
             return
         err = sent.wait(max(0.05, budget))
         if err is None:
+            if gen is not None and self._generation() != gen:
+                # Sent (and accepted) in a later generation than it was built in: it
+                # proves nothing for the partitions we had in ``gen``.
+                raise LeaseExpired(f"consumer of {self.spec.name!r} changed generation "
+                                   "during its commit")
             return
         if err.kind is Kind.TIMEOUT:
             raise Timeout(f"commit of {self.spec.name!r} not confirmed within {budget:.2f}s")
@@ -190,6 +216,15 @@ class GroupMember(SubscriptionState):
             raise LeaseExpired(f"consumer of {self.spec.name!r} is no longer a member of the "
                                f"current generation: {err.native}") from err
         raise native(err, f"commit of {self.spec.name!r} failed", self.d.url) from err
+
+    def _generation(self) -> int | None:
+        """The member's current generation (None: the client does not tell; -1: not a
+        member)."""
+        try:
+            snapshot: tuple[object, int | None] = self.group.group_meta()
+        except ClientError:
+            return -1
+        return snapshot[1]
 
     def _committed(self, offsets: Mapping[TP, tuple[int, str]], error: ClientError | None
                    ) -> None:
@@ -227,19 +262,24 @@ class GroupMember(SubscriptionState):
         log.debug("kafka: %s revoked %s", self.spec.name, sorted(gone))
         self._send_checkpoints(gone, patience=0.2)
         with self.cv:
-            for tp in gone:
-                part = self.parts.pop(tp, None)
-                if part is None:
-                    continue
-                stash = [r for r in self.ready if r.tp == tp]
-                stash += [r for _, _, r in self.held if r.tp == tp]
-                part.revoked_at = (part.committed, part.meta)
-                self.suspended[tp] = (part, stash)
-            self.ready = deque(r for r in self.ready if r.tp not in gone)
-            self.held = [h for h in self.held if h[2].tp not in gone]
-            heapq.heapify(self.held)
+            self._suspend(gone)
             self.slots -= slots
             self.slot_version += 1
+
+    def _suspend(self, gone: Collection[TP]) -> None:
+        """(``cv`` held.) Set revoked partitions aside with their ready and held records
+        until the next assignment tells whether they come back (``_adopt``)."""
+        for tp in gone:
+            part = self.parts.pop(tp, None)
+            if part is None:
+                continue
+            stash = [r for r in self.ready if r.tp == tp]
+            stash += [r for _, _, r in self.held if r.tp == tp]
+            part.revoked_at = (part.committed, part.meta)
+            self.suspended[tp] = (part, stash)
+        self.ready = deque(r for r in self.ready if r.tp not in gone)
+        self.held = [h for h in self.held if h[2].tp not in gone]
+        heapq.heapify(self.held)
 
     def assigned(self, assigned: Collection[TP]) -> None:
         """The member's listener: only bookkeeping (the member keeps new partitions paused);
@@ -254,6 +294,9 @@ class GroupMember(SubscriptionState):
             epoch = self.epoch
         if assigned is None:
             return
+        # The generation of this assignment: read after it arrived and before the epoch
+        # check in _adopt (a later generation comes with a revocation, which that sees).
+        gen = self._generation()
         try:
             committed = self.d.committed(self.spec.name, assigned) if assigned else {}
         except Exception:
@@ -261,7 +304,7 @@ class GroupMember(SubscriptionState):
                 if self.new_assignment is None:
                     self.new_assignment = assigned
             raise
-        adopted = self._adopt(assigned, committed, epoch=epoch)
+        adopted = self._adopt(assigned, committed, epoch=epoch, gen=gen)
         if adopted is None:
             return  # revoked again meanwhile: the next assignment follows
         fresh, positions = adopted
@@ -274,6 +317,7 @@ class GroupMember(SubscriptionState):
                                     if t.topic == self.retry and t not in assigned])
             self.slots = {tp.partition for tp in assigned}
             self.slot_version += 1
+            self.slot_gen = gen
             self.cv.notify_all()
 
     def _forget_suspended(self, tps: Collection[TP]) -> None:
@@ -288,8 +332,8 @@ class GroupMember(SubscriptionState):
                     del self.leased[token]
 
     def _adopt(self, assigned: Collection[TP], committed: Mapping[TP, tuple[int, str] | None],
-               epoch: int | None = None, version: int | None = None
-               ) -> tuple[list[TP], dict[TP, int | None]] | None:
+               epoch: int | None = None, version: int | None = None,
+               gen: int | None = None) -> tuple[list[TP], dict[TP, int | None]] | None:
         """Take partitions over: keep our in-flight state where nobody committed since we
         had them (the stored checkpoint is still the one we sent: another owner that handed
         anything out would have committed its own first). Returns the partitions that need
@@ -299,13 +343,31 @@ class GroupMember(SubscriptionState):
         None, adopting nothing, when the assignment is stale: revoked again (``epoch``) or
         the slots changed (``version``) since it was read. Adopting it would make this
         member hand out records of partitions another member owns: the coordinator checks
-        commits against the generation, not the assignment."""
+        commits against the generation, not the assignment.
+
+        ``gen``: the generation of the assignment; the partitions adopted are ours in it
+        (``Part.gen``). A new assignment (``epoch`` given) also sets aside, as if revoked,
+        any partition still held from an earlier generation: an eager rebalance revokes
+        everything before it reassigns, so such a partition was lost without a revocation
+        reaching us, and its buffers and leases are stale unless it comes back with the
+        checkpoint we left."""
         fresh: list[TP] = []
         back: dict[TP, int | None] = {}
         with self.cv:
             if ((epoch is not None and epoch != self.epoch)
                     or (version is not None and version != self.slot_version)):
                 return None
+            if epoch is not None and gen is not None:
+                stale = [tp for tp, part in self.parts.items()
+                         if part.gen is not None and part.gen != gen]
+                if stale:
+                    log.warning("kafka: %s held %s from generation(s) %s into generation %s "
+                                "without a revocation: set aside", self.spec.name,
+                                sorted(stale), {self.parts[tp].gen for tp in stale},
+                                gen)
+                    self._suspend(stale)
+                    self.epoch += 1  # receives and re-publishes that picked them fail
+                    self.slot_version += 1
             now = time.time()
             for tp in assigned:
                 found = committed.get(tp)
@@ -318,6 +380,7 @@ class GroupMember(SubscriptionState):
                     part, stash = old
                     if stored != (part.committed, part.meta):
                         part.committed, part.meta = stored
+                    part.gen = gen
                     self.parts[tp] = part
                     back[tp] = part.next_fetch
                     for rec in stash:
@@ -327,6 +390,7 @@ class GroupMember(SubscriptionState):
                             self.ready.append(rec)
                     continue
                 self.parts[tp] = Part(found)
+                self.parts[tp].gen = gen
                 log.debug("kafka: %s takes %s over (checkpoint %s)", self.spec.name, tp,
                           stored)
                 fresh.append(tp)
@@ -338,7 +402,7 @@ class GroupMember(SubscriptionState):
         return fresh, back
 
     # -- re-publishing (any thread) -----------------------------------------------------------
-    def _snapshot(self) -> object:
+    def _snapshot(self) -> tuple[object, int | None]:
         """The member's group snapshot (generation, member id) for a transaction. Taken
         before ``_begin_move`` checks the revocation epoch: a snapshot of a later
         generation (after a rejoin) always comes with a revocation, which that check sees.
@@ -350,7 +414,7 @@ class GroupMember(SubscriptionState):
             raise native(exc, f"consumer of {self.spec.name!r}", self.d.url) from exc
         if generation is not None and generation < 0:
             raise LeaseExpired(f"consumer of {self.spec.name!r} is not a member of the group")
-        return meta
+        return meta, generation
 
     def _begin_move(self, epoch: int) -> bool:
         """After a successful ``_fence``: count a re-publish in flight, unless a revocation
@@ -366,8 +430,8 @@ class GroupMember(SubscriptionState):
             self.moving -= 1
             self.cv.notify_all()
 
-    def _transfer(self, moves: Sequence[tuple[Rec, Outgoing]], meta: object,
-                  budget: float) -> None:
+    def _transfer(self, moves: Sequence[tuple[Rec, Outgoing]],
+                  snapshot: tuple[object, int | None], budget: float) -> None:
         """Write the copies and commit the checkpoints that settle their originals in one
         Kafka transaction, its offset commit fenced by the generation in ``meta``.
 
@@ -382,9 +446,13 @@ class GroupMember(SubscriptionState):
         plain commit appended after the transaction's offsets would override them with
         a checkpoint in which the originals are not settled.
 
+        The transaction is fenced by the generation of ``snapshot`` (``_snapshot``): only
+        partitions assigned to us in that generation (``Part.gen``) are written for.
+
         Raises ``LeaseExpired`` (fenced: nothing written), ``Timeout`` and the like
         (nothing written), ``_Unknown`` (the outcome could not be read back).
         """
+        meta, gen = snapshot
         end = time.monotonic() + budget
         if not self.commit_lock.acquire(timeout=max(0.05, budget)):
             raise Timeout(f"commits of {self.spec.name!r} busy for {budget:.2f}s")
@@ -400,6 +468,9 @@ class GroupMember(SubscriptionState):
                     part = self._part(tp)
                     if part is None:
                         raise LeaseExpired(f"partition {tp} of {self.spec.name!r} moved")
+                    if gen is not None and part.gen is not None and part.gen != gen:
+                        raise LeaseExpired(f"partition {tp} of {self.spec.name!r} is not ours "
+                                           f"in generation {gen}")
                     point, ckpt = part.checkpoint(
                         self.ckpt_limit, settle={rec.offset for rec, _ in moves if rec.tp == tp})
                     if point is None:

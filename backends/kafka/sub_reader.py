@@ -104,7 +104,7 @@ class DataReader(GroupMember):
         """
         now = time.monotonic()
         with self.lock:
-            version, slots = self.slot_version, set(self.slots)
+            version, slots, gen = self.slot_version, set(self.slots), self.slot_gen
         topics_changed = self.d.topic_version != self.topic_version
         if version == self.applied_version and now < self.next_refresh and not topics_changed:
             return
@@ -151,7 +151,8 @@ class DataReader(GroupMember):
         if new:
             try:
                 committed = self.d.committed(self.spec.name, new)
-                fresh, positions = self._adopt(new, committed, version=version) or ([], {})
+                fresh, positions = (self._adopt(new, committed, version=version, gen=gen)
+                                    or ([], {}))
                 start = []
                 for tp in fresh:
                     found = committed.get(tp)
@@ -346,7 +347,8 @@ class DataReader(GroupMember):
             for tp in self.data_assigned:
                 self.data_seen[tp] = now
 
-    def _fence_tick(self, expired: list[Rec], handoff: list[Rec], epoch: int) -> object:
+    def _fence_tick(self, expired: list[Rec], handoff: list[Rec], epoch: int
+                    ) -> tuple[object, int | None] | None:
         """Before re-publishing expired leases or handing records off: ``_fence`` (it
         also makes sure no earlier commit of ours lands after the transaction's). A
         consumer woken from a freeze longer than its session still has its old leases and

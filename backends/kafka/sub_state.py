@@ -74,6 +74,7 @@ class SubscriptionState:
         self.new_assignment: set[TP] | None = None
         self.slots: set[int] = set()
         self.slot_version = 0
+        self.slot_gen: int | None = None  # the generation whose assignment gave the slots
         self.tokens = itertools.count(1)
         self.seq = itertools.count()
         self.closed = False
