@@ -229,6 +229,7 @@ class _Member(_Reader, Member):
         self.busy_until = 0.0
         self.gate = threading.Condition()
         self.waiting = 0  # threads waiting to commit
+        self.last_meta: object = None  # the last membership snapshot (group_meta)
         self.closed = False  # a closed librdkafka consumer must not be called (it crashes)
         self.commits: collections.deque[tuple[Any, Any, _Landing, object]] = (
             collections.deque())
@@ -324,10 +325,22 @@ class _Member(_Reader, Member):
         return not self.rebalancing
 
     def group_meta(self) -> tuple[object, int | None]:
+        """The membership snapshot, never waiting on the network.
+
+        librdkafka's ``consumer_group_metadata`` waits while the committer thread is inside
+        a synchronous commit, and that commit has no time limit of its own: asked then (a
+        paused broker), the caller's ``receive`` hung for as long as the broker did. While a
+        commit is queued or in flight the last snapshot is used instead: a stale one is
+        safe, the committer does not send a commit whose membership has moved on, and a
+        fence re-reads the generation after its commit. (No commit can start while the
+        gate is held here: the committer takes its next one under the gate.)"""
         with self.gate:
             if self.closed:
                 raise ClientError(Kind.FENCED, "the group consumer is closed")
-            meta = self.c.consumer_group_metadata()
+            if self.waiting and self.last_meta is not None:
+                meta = self.last_meta
+            else:
+                meta = self.last_meta = self.c.consumer_group_metadata()
         return meta, _generation(meta)
 
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
