@@ -173,15 +173,20 @@ def _close(member: Any) -> None:
         member.gate.notify_all()
 
 
-def test_a_commit_built_before_the_loss_never_lands_after_the_rejoin() -> None:
-    """The chaos run's case: the woken consumer's stale commit overwrote the new owner's
-    checkpoint after its rejoin, and it took its stale buffer back."""
+def _generation_5() -> tuple[Coordinator, Lib, Any, KafkaSubscription]:
+    """A member of generation 5 (member id m1), its subscription, nothing committed."""
     coordinator = Coordinator()
     coordinator.members = {(5, "m1")}
     coordinator.offsets[P] = (0, "")
     lib = Lib(coordinator)
     member = _member(lib)
-    sub = _subscription(member, coordinator)
+    return coordinator, lib, member, _subscription(member, coordinator)
+
+
+def test_a_commit_built_before_the_loss_never_lands_after_the_rejoin() -> None:
+    """The chaos run's case: the woken consumer's stale commit overwrote the new owner's
+    checkpoint after its rejoin, and it took its stale buffer back."""
+    coordinator, lib, member, sub = _generation_5()
     try:
         # Generation 5: P is ours; 10 records fetched, 2 handed out.
         _assign(sub, member)
@@ -226,12 +231,7 @@ def test_a_commit_built_before_the_loss_never_lands_after_the_rejoin() -> None:
 def test_a_partition_held_into_a_later_generation_is_not_handed_out() -> None:
     """The client moved to a later generation while the partition was still ours here (no
     revocation reached us): a commit now lands, but proves nothing for it."""
-    coordinator = Coordinator()
-    coordinator.members = {(5, "m1")}
-    coordinator.offsets[P] = (0, "")
-    lib = Lib(coordinator)
-    member = _member(lib)
-    sub = _subscription(member, coordinator)
+    coordinator, lib, member, sub = _generation_5()
     try:
         _assign(sub, member)
         sub._ingest(_records(0, 10))
