@@ -80,6 +80,7 @@ def _ours(item: pytest.Item) -> bool:
     return item.path.is_relative_to(_HERE)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist turns the marks into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not all(_ours(item) for item in items):
         return  # a mixed run (the main stage): the fault lanes are the fault stage's
