@@ -125,7 +125,8 @@ class PostgreSQLDriver(Driver):
             port=",".join(str(p or 5432) for _, p in url.hosts),
             dbname=url.path, user=url.username or "")
         kwargs: dict[str, Any] = {
-            "autocommit": True, "application_name": "mqabstract",
+            # operators see which schema a connection serves (pg_stat_activity)
+            "autocommit": True, "application_name": f"mqabstract:{self.schema}",
             # libpq counts whole seconds, at least 2
             "connect_timeout": max(2, math.ceil(self.connect_timeout)),
         }
