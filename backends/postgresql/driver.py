@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -50,6 +51,11 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 #: added to ``poll_interval`` in ``release_margin``: one claim round trip and scheduling
 RELEASE_SLACK = 0.25
 _ROUTE_TRIES = 10
+CHUNK_BYTES = 64 * 1024 * 1024  # bodies per INSERT statement of a large batch
+
+
+class _Stale(Exception):
+    """The groups version moved while a batch was written: route again."""
 
 
 class PostgreSQLDriver(Driver):
@@ -231,14 +237,38 @@ class PostgreSQLDriver(Driver):
                     row = conn.execute(self.sql.version).fetchone()
                     if row is not None and row[0] == version:
                         return
-                else:
-                    row = conn.execute(self.sql.publish, (*columns, version)).fetchone()
-                    if row is not None and row[0]:
-                        self.waker.wake(gids)
-                        return
+                elif self._try_rows(conn, columns, version):
+                    self.waker.wake(gids)
+                    return
                 self._load_routes(conn)
         raise Timeout(f"postgresql publish on {self._where}: groups kept changing while "
                       f"routing ({_ROUTE_TRIES} tries)")
+
+    def _try_rows(self, conn: Conn, cols: list[list[Any]], version: int) -> bool:
+        try:
+            return self._write_rows(conn, cols, version)
+        except _Stale:
+            return False
+
+    def _write_rows(self, conn: Conn, cols: list[list[Any]], version: int) -> bool:
+        """One statement, or (rows of more than ``CHUNK_BYTES`` of bodies: a protocol
+        message is at most 1 GiB) one per chunk in one transaction: all or nothing either
+        way. False when the groups version moved (nothing written)."""
+        cuts, size = [0], 0
+        for i, body in enumerate(cols[-1]):
+            if size and size + len(body) > CHUNK_BYTES:
+                cuts.append(i)
+                size = 0
+            size += len(body)
+        cuts.append(len(cols[-1]))
+        # (a transaction costs a BEGIN and a COMMIT round trip: only when it is needed)
+        with conn.transaction() if len(cuts) > 2 else contextlib.nullcontext():
+            for start, stop in itertools.pairwise(cuts):
+                row = conn.execute(self.sql.publish,
+                                   (*(c[start:stop] for c in cols), version)).fetchone()
+                if row is None or not row[0]:
+                    raise _Stale  # rolls back the chunks before it
+        return True
 
     def publish(self, envelopes: Sequence[Envelope]) -> None:
         def build() -> tuple[list[list[Any]], set[int]]:
@@ -274,8 +304,9 @@ class PostgreSQLDriver(Driver):
         def build() -> tuple[list[list[Any]], set[int]]:
             gids = self._route(columns.topic)
             k = len(gids)
-            fixed = [[READY] * n * k, [0.0] * n * k, [0] * n * k]
-            cols = [[g for g in gids for _ in range(n)], *fixed, keys * k, ids * k,
+            fixed: list[list[Any]] = [[READY] * n * k, [0.0] * n * k, [0] * n * k]
+            cols: list[list[Any]] = [[g for g in gids for _ in range(n)], *fixed, keys * k,
+                                     ids * k,
                     list(repeat(columns.topic, n * k)), [columns.published_at] * n * k,
                     headers * k, bodies * k]
             return cols, set(gids)

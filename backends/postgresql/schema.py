@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import psycopg
 
@@ -75,7 +76,7 @@ def check_schema(name: str) -> str:
     return name
 
 
-def migrate(conn: psycopg.Connection[tuple[object, ...]], schema: str, where: str) -> None:
+def migrate(conn: psycopg.Connection[tuple[Any, ...]], schema: str, where: str) -> None:
     """Create or upgrade ``schema``'s tables in one transaction, holding an advisory lock
     keyed by the schema name, so processes opening it at once wait for each other instead
     of racing on ``CREATE``. A schema written by a newer version is refused."""

@@ -184,6 +184,31 @@ def test_batch_publish_claim_and_ack_are_one_statement_each(
     assert mq.stats("a").ready == 0 and mq.stats("b").ready == 501
 
 
+def test_a_batch_larger_than_a_chunk_is_written_in_one_transaction(
+        mq: mqabstract.Broker, server: str, schema: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mqabstract.backends.postgresql import driver
+
+    monkeypatch.setattr(driver, "CHUNK_BYTES", 250)
+    sub = mq.subscribe("g", "t")
+    mq.publish("t", b"warm")
+    sub.ack_many(sub.receive(10, wait=5))
+    statements: list[str] = []
+    real = psycopg.Connection.execute
+
+    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kw: Any) -> Any:
+        if str(query).startswith("WITH ins"):
+            statements.append("publish")
+        return real(self, query, *args, **kw)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    mq.publish_batch([OutgoingMessage("t", bytes([i]) * 100) for i in range(10)])
+    assert len(statements) == 5  # two 100-byte bodies per 250-byte chunk
+    got = sub.receive(20, wait=5)
+    assert sorted(m.body[0] for m in got) == list(range(10))
+    sub.ack_many(got)
+
+
 # -- schema and migration --------------------------------------------------------------------------
 def test_concurrent_opens_of_a_new_schema_migrate_it_once(url: str, server: str,
                                                           schema: str) -> None:
