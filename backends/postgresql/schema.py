@@ -1,10 +1,6 @@
-"""The tables, their migration, and the statements of the hot path.
-
-Every name is qualified with the schema the URL names (``?schema=``, checked to be a plain
-identifier before it is put in a statement). Times are epoch seconds from the driver's
-clock (``double precision``), never the server's ``now()``: see ``docs/backends/
-postgresql.md`` ("Time").
-"""
+"""The tables, their migration and the statements, in the schema the URL names (checked to
+be a plain identifier before it goes into a statement). Times are epoch seconds of the
+driver's clock, never the server's ``now()`` (docs/backends/postgresql.md, "Time")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""Receivers: claims with ``FOR UPDATE SKIP LOCKED``, settles by (seq, token), and how an
-idle receiver waits (``Waker``, fed by this process's writers, ``Listener``'s NOTIFYs and
-the fake clock; ``poll_interval`` bounds every wait, so lost NOTIFYs only cost latency)."""
+"""Receivers: claims with ``FOR UPDATE SKIP LOCKED``, settles by (seq, token), and the idle
+wait: on the store's ``Waker`` and never longer than ``poll_interval``, so lost NOTIFYs
+only cost latency."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any
-
-import psycopg
+from collections.abc import Sequence
+from typing import Any
 
 from mqabstract.clock import SystemClock
 from mqabstract.driver import DriverSubscription
@@ -18,92 +16,20 @@ from mqabstract.errors import Closed, LeaseExpired
 from mqabstract.model import Delivery, GroupSpec
 
 from .schema import DELAYED, READY, decode_headers
+from .store import Store
 
-if TYPE_CHECKING:
-    from .driver import PostgreSQLDriver
-
-__all__ = ["Listener", "PostgreSQLSubscription", "Waker"]
-
-
-class Waker:
-    """Generation counters under one condition: ``gen`` wakes every receiver (close, clock
-    advance, a reconnected listener), ``groups[gid]`` only that group's."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
-        self.gen = 0
-        self.groups: dict[int, int] = {}
-
-    def stamp(self, gid: int) -> tuple[int, int]:
-        return self.gen, self.groups.get(gid, 0)
-
-    def wake(self, gids: Collection[int] | None = None) -> None:
-        with self.cond:
-            if gids is None:
-                self.gen += 1
-            else:
-                for gid in gids:
-                    self.groups[gid] = self.groups.get(gid, 0) + 1
-            self.cond.notify_all()
-
-    def wait(self, gid: int, seen: tuple[int, int], seconds: float) -> None:
-        """Return after ``seconds``, or earlier when ``gid``'s stamp moved past ``seen``."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.stamp(gid) != seen, seconds)
-
-
-class Listener:
-    """One thread per driver holding a ``LISTEN`` connection; each NOTIFY (payload: a group
-    id) wakes that group's receivers. A lost connection is retried with backoff; after a
-    reconnect every receiver is woken (what was published meanwhile was not heard)."""
-
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], channel: str,
-                 waker: Waker) -> None:
-        self._connect, self._channel, self._waker = connect, channel, waker
-        self._stop = threading.Event()
-        self.listening = threading.Event()  # set while LISTEN is in force (tests read it)
-        self._thread = threading.Thread(target=self._run, name=f"mq-listen-{channel}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        backoff = 0.05
-        while not self._stop.is_set():
-            try:
-                with self._connect() as conn:
-                    conn.execute(f"LISTEN {self._channel}")
-                    self.listening.set()
-                    self._waker.wake()
-                    backoff = 0.05
-                    while not self._stop.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            if self._stop.is_set():
-                                return
-                            if note.payload.isdigit():
-                                self._waker.wake((int(note.payload),))
-            except psycopg.Error:
-                self.listening.clear()
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
-
-    def stop(self, poke: Callable[[], None]) -> None:
-        """Stop the thread; ``poke`` sends a NOTIFY that ends its wait at once."""
-        self._stop.set()
-        try:
-            poke()
-        finally:
-            self._thread.join(2.0)
+__all__ = ["PostgreSQLSubscription"]
 
 
 class PostgreSQLSubscription(DriverSubscription):
     """One consumer of one group; receipts are ``(seq, lease_token)``."""
 
-    def __init__(self, driver: PostgreSQLDriver, spec: GroupSpec, gid: int) -> None:
-        self._d = driver
+    def __init__(self, store: Store, spec: GroupSpec, gid: int) -> None:
+        self._d = store
         self._gid = gid
         self._lease = spec.lease
         self._ordered = spec.ordered
-        self._claim = driver.sql.claim_ordered if spec.ordered else driver.sql.claim
+        self._claim = store.sql.claim_ordered if spec.ordered else store.sql.claim
         self._held: dict[int, int] = {}  # seq -> token of the leases this consumer holds
         self._lock = threading.Lock()
         self._closed = False
@@ -114,9 +40,8 @@ class PostgreSQLSubscription(DriverSubscription):
         now = d.now()
         token = random.getrandbits(62) or 1
         with d.conn("receive") as conn:
-            # Three statements, one round trip: due rows become ready (skipping rows
-            # another claimer holds, so claimers never wait on each other), the claim,
-            # and when the next leased or delayed row falls due.
+            # One round trip: due rows become ready (skipping rows other claimers hold:
+            # none waits on another), the claim, and when the group's next row falls due.
             with conn.pipeline():
                 conn.execute(sql.promote, (gid, now))
                 claimed = conn.execute(self._claim, (now + self._lease, token, gid,
@@ -181,10 +106,9 @@ class PostgreSQLSubscription(DriverSubscription):
 
     def extend(self, receipt: Any, seconds: float) -> None:
         self._check_open()
-        seq, token = receipt
         now = self._d.now()
         with self._d.conn("extend") as conn:
-            if not conn.execute(self._d.sql.extend, (now + seconds, seq, token, now)).rowcount:
+            if not conn.execute(self._d.sql.extend, (now + seconds, *receipt, now)).rowcount:
                 raise LeaseExpired("the lease ended or another consumer holds the message")
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
