@@ -106,9 +106,10 @@ class Statements:
             f"WITH ins AS (INSERT INTO {s}.mq_queue (gid, state, due, priority, attempts,"
             " token, key, id, topic, published_at, headers, body)"
             " SELECT r.gid, r.state, r.due, r.priority, 0, 0, r.key, r.id, r.topic, r.at,"
-            " r.headers, r.body FROM unnest(%s::int[], %s::smallint[],"
-            " %s::float8[], %s::smallint[], %s::text[], %s::text[], %s::text[], %s::float8[],"
-            " %s::text[], %s::bytea[]) AS r(gid, state, due, priority, key, id, topic, at,"
+            # arrays in binary (%b): ten times cheaper to adapt than text for 5000 rows
+            " r.headers, r.body FROM unnest(%b::int[], %b::smallint[],"
+            " %b::float8[], %b::smallint[], %b::text[], %b::text[], %b::text[], %b::float8[],"
+            " %b::text[], %b::bytea[]) AS r(gid, state, due, priority, key, id, topic, at,"
             f" headers, body) WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups')"
             " = %s RETURNING gid)"
             f" SELECT count(*), (SELECT count(pg_notify('{self.channel}', g::text)) FROM"
@@ -132,8 +133,8 @@ class Statements:
             f" AND (q.key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.mq_queue p"
             " WHERE p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
         self.next_due = f"SELECT min(due) FROM {s}.mq_queue WHERE gid = %s AND state <> 0"
-        held = ("seq = ANY(%s::bigint[]) AND state = 1 AND due > %s"
-                " AND token = (%s::bigint[])[array_position(%s::bigint[], seq)]")
+        held = ("seq = ANY(%b::bigint[]) AND state = 1 AND due > %s"
+                " AND token = (%b::bigint[])[array_position(%b::bigint[], seq)]")
         self.ack = f"DELETE FROM {s}.mq_queue WHERE {held}"
         self.release = f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}"
         self.extend = (f"UPDATE {s}.mq_queue SET due = %s WHERE seq = %s AND token = %s"

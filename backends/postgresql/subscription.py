@@ -45,7 +45,7 @@ class PostgreSQLSubscription(DriverSubscription):
             with conn.pipeline():
                 conn.execute(sql.promote, (gid, now))
                 claimed = conn.execute(self._claim, (now + self._lease, token, gid,
-                                                     max_messages))
+                                                     max_messages), binary=True)
                 due = conn.execute(sql.next_due, (gid,))
             rows = claimed.fetchall()
             row = due.fetchone()
