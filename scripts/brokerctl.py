@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import pwd
@@ -424,6 +425,9 @@ class _Managed(_Lifecycle):
             raise self._error(f"processes {family} survived SIGKILL")
         self.state_file.unlink(missing_ok=True)
         return True
+
+    def after_down(self) -> None:
+        """What ``down`` removes besides the process and its state file: nothing here."""
 
     def _graceful_stop(self, pid: int, timeout: float) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -905,6 +909,16 @@ class PrivateMoto(_Managed):
         return self._spawn(argv, _clean_env())
 
 
+def _searchable_by_others(path: Path) -> bool:
+    """True when a user other than the owner may enter ``path`` and every existing parent
+    (each has the others' execute bit; parts still to be made get it from the umask)."""
+    for part in (path, *path.parents):
+        with contextlib.suppress(FileNotFoundError):
+            if not part.stat().st_mode & 0o001:
+                return False
+    return True
+
+
 class PrivatePostgres(_Managed):
     """A private PostgreSQL cluster: its own data dir, socket dir and port, loopback only.
 
@@ -922,8 +936,17 @@ class PrivatePostgres(_Managed):
                  python: str | None = None, fresh: bool = True) -> None:
         super().__init__(port, state_dir)
         self._wipe = fresh
-        self.data = self.dir / "data"
-        self.sock = self.dir / "sock"
+        #: where the cluster lives: in the state dir, unless the ``postgres`` user cannot
+        #: enter it (a clone under root's 0700 home, pytest's private tmp dirs); then in that
+        #: user's home, under a name made from the state dir and port, so ``status`` and
+        #: ``down`` find it again.
+        self.cluster = self.dir
+        owner = self._owner()
+        if owner is not None and not _searchable_by_others(self.dir):
+            tag = hashlib.sha256(str(self.dir.resolve()).encode()).hexdigest()[:16]
+            self.cluster = Path(pwd.getpwuid(owner[0]).pw_dir) / "mqabstract" / tag
+        self.data = self.cluster / "data"
+        self.sock = self.cluster / "sock"
 
     def _marker(self) -> str:
         return f"-D {self.data} -p {self.port} "
@@ -956,15 +979,15 @@ class PrivatePostgres(_Managed):
         if not (PG_BIN / "postgres").is_file():
             raise BrokerError(f"postgresql: no server binaries in {PG_BIN} (Debian package "
                               "postgresql-15, or set MQ_POSTGRESQL_BIN)")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cluster.mkdir(parents=True, exist_ok=True)
         self.sock.mkdir(exist_ok=True)
-        self._chown(self.dir, self.sock)
-        reach = subprocess.run(self._as_owner(["test", "-w", str(self.dir)]), check=False)
+        self._chown(self.cluster, self.sock)
+        reach = subprocess.run(self._as_owner(["test", "-w", str(self.cluster)]), check=False)
         if reach.returncode != 0:
             raise BrokerError(
-                f"postgresql: the {PG_SYSTEM_USER} user cannot reach {self.dir}: make its "
+                f"postgresql: the {PG_SYSTEM_USER} user cannot reach {self.cluster}: make its "
                 "parent directories searchable (chmod o+x) or set MQ_BROKERS_DIR elsewhere")
-        pwfile = self.dir / "pwfile"
+        pwfile = self.cluster / "pwfile"
         pwfile.write_text(PG_PASSWORD + "\n")
         pwfile.chmod(0o600)
         self._chown(pwfile)
@@ -973,7 +996,7 @@ class PrivatePostgres(_Managed):
             _run_step("postgresql", "initdb", self._as_owner([
                 str(PG_BIN / "initdb"), "-D", str(self.data), "-U", PG_USER,
                 f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8",
-                "--locale=C.UTF-8", "--no-instructions"]), todo, cwd=self.dir)
+                "--locale=C.UTF-8", "--no-instructions"]), todo, cwd=self.cluster)
         finally:
             pwfile.unlink(missing_ok=True)
         # The tests' database, in single-user mode before the server first starts.
@@ -981,7 +1004,7 @@ class PrivatePostgres(_Managed):
             self._as_owner([str(PG_BIN / "postgres"), "--single", "-D", str(self.data),
                             "template1"]),
             input=f"CREATE DATABASE {PG_DATABASE}\n", capture_output=True, text=True,
-            timeout=120, cwd=self.dir, check=False)
+            timeout=120, cwd=self.cluster, check=False)
         if done.returncode != 0:
             raise _step_failed("postgresql", "create database", f"rc {done.returncode}", todo,
                                (done.stdout + done.stderr)[-2000:])
@@ -999,6 +1022,12 @@ class PrivatePostgres(_Managed):
             "-c", "max_connections=200"])
         # setpriv execs: the pid we track is the postmaster's own
         return self._spawn(argv, _clean_env(("PG",)))
+
+    def after_down(self) -> None:
+        """A cluster kept outside the state dir (see ``cluster``) goes with ``down``: no
+        data dir per pytest temp dir piles up in the postgres user's home."""
+        if self.cluster != self.dir:
+            shutil.rmtree(self.cluster, ignore_errors=True)
 
     def _graceful_stop(self, pid: int, timeout: float) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -1367,6 +1396,7 @@ def down(kinds: list[str], state_dir: str | os.PathLike[str] | None = None) -> l
         def stop(state: dict[str, Any], inst: _Managed) -> None:
             try:
                 if inst.stop():
+                    inst.after_down()
                     stopped.append(inst.name)
                     print(f"{state['kind']:13} stopped pid {state['pid']} ({inst.url})",
                           file=sys.stderr)
