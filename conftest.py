@@ -7,17 +7,20 @@ suite on every backend with brokers found by ``tests/brokers.py``:
     pytest -p mqabstract.conformance --mq-url rabbitmq --mq-url sqlite
 
 Aliases: memory, sqlite (a fresh file per session), rabbitmq, kafka (its default client:
-confluent-kafka), kafka-python (the same broker on the other client), sqs, all.
+confluent-kafka), kafka-python (the same broker on the other client), sqs, postgresql
+(a fresh schema per session), all.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
 
-BACKEND_ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
+BACKEND_ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs",
+                   "postgresql")
 # Under pytest-xdist (--dist loadgroup) these files run on one worker each: private broker
 # processes and the shared SparkSession must not be started twice at once. (The fault
 # scenarios' private brokers are grouped by tests/reliability/conftest.py's lanes.)
@@ -26,7 +29,7 @@ _SERIAL_GROUPS = {
     "test_rabbitmq.py": "private-brokers",
     "spark": "spark",
 }
-BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
+BROKER_KINDS = ("rabbitmq", "kafka", "sqs", "postgresql")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -81,7 +84,10 @@ def mq_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         from tests.brokers import resolve_url
         from tests.reliability.support import kind, with_client
 
-        return with_client(raw, resolve_url(kind(raw)))
+        url = with_client(raw, resolve_url(kind(raw)))
+        if raw == "postgresql":  # a schema of this session's own: no earlier run's groups
+            url += ("&" if "?" in url else "?") + f"schema=mq_{uuid.uuid4().hex[:12]}"
+        return url
     return raw
 
 

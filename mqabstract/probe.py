@@ -1,7 +1,8 @@
 """Protocol-level readiness probes: "listening" must mean "usable", not "port open".
 
 Each probe completes a real exchange with the broker (an AMQP 0-9-1 handshake with login
-and vhost, a Kafka ApiVersions request, an SQS ``ListQueues`` call) using the standard
+and vhost, a Kafka ApiVersions request, an SQS ``ListQueues`` call, a PostgreSQL login
+with SCRAM and a ``SELECT version()``) using the standard
 library only, so the test bed scripts and the container launcher of the conformance plugin
 can run them before any client library is installed.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import hmac
 import http.client
 import secrets
 import socket
@@ -231,7 +234,111 @@ def sqs_ready(host: str = HOST, port: int = 5055, timeout: float = 3.0) -> bool:
         conn.close()
 
 
-PROBES = {"rabbitmq": amqp_ready, "kafka": kafka_ready, "sqs": sqs_ready, "tansu": kafka_ready}
+#: The test bed's PostgreSQL login (scripts/brokerctl.py creates it; a test password only).
+PG_USER, PG_PASSWORD, PG_DATABASE = "mq", "mqsecret", "mqtest"
+
+
+def _pg_message(kind: bytes, payload: bytes) -> bytes:
+    return kind + struct.pack(">i", len(payload) + 4) + payload
+
+
+def _pg_read(sock: socket.socket) -> tuple[bytes, bytes]:
+    kind = _recv_exact(sock, 1)
+    (size,) = struct.unpack(">i", _recv_exact(sock, 4))
+    if not 4 <= size <= 1 << 24:
+        raise ConnectionError(f"implausible PostgreSQL message size {size}")
+    return kind, _recv_exact(sock, size - 4)
+
+
+def _pg_error(payload: bytes) -> str:
+    fields = {f[:1]: f[1:].decode(errors="replace") for f in payload.split(b"\0") if f}
+    return fields.get(b"M", "error")
+
+
+def _pg_scram(sock: socket.socket, password: str) -> None:
+    """SCRAM-SHA-256 (RFC 5802/7677) as PostgreSQL speaks it: the user name comes from
+    the startup message, no channel binding."""
+    nonce = base64.b64encode(secrets.token_bytes(18)).decode()
+    first_bare = f"n=,r={nonce}"
+    first = ("n,," + first_bare).encode()
+    sock.sendall(_pg_message(b"p", b"SCRAM-SHA-256\0" + struct.pack(">i", len(first)) + first))
+    kind, payload = _pg_read(sock)
+    if kind != b"R" or struct.unpack(">i", payload[:4])[0] != 11:
+        raise ConnectionError(_pg_error(payload) if kind == b"E" else "SCRAM: no server-first")
+    server_first = payload[4:].decode()
+    attrs = dict(item.split("=", 1) for item in server_first.split(","))
+    if not attrs["r"].startswith(nonce):
+        raise ConnectionError("SCRAM: the server changed our nonce")
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), base64.b64decode(attrs["s"]),
+                                 int(attrs["i"]))
+    client_key = hmac.digest(salted, b"Client Key", "sha256")
+    final_bare = f"c=biws,r={attrs['r']}"
+    auth = f"{first_bare},{server_first},{final_bare}".encode()
+    signature = hmac.digest(hashlib.sha256(client_key).digest(), auth, "sha256")
+    proof = bytes(a ^ b for a, b in zip(client_key, signature, strict=True))
+    final = f"{final_bare},p={base64.b64encode(proof).decode()}".encode()
+    sock.sendall(_pg_message(b"p", final))
+    kind, payload = _pg_read(sock)
+    if kind != b"R" or struct.unpack(">i", payload[:4])[0] != 12:
+        raise ConnectionError(_pg_error(payload) if kind == b"E" else "SCRAM: no server-final")
+    server_key = hmac.digest(salted, b"Server Key", "sha256")
+    expected = base64.b64encode(hmac.digest(server_key, auth, "sha256")).decode()
+    if payload[4:].decode() != f"v={expected}":
+        raise ConnectionError("SCRAM: the server's signature does not match")
+
+
+def pg_query(host: str, port: int, sql: str, user: str = PG_USER,
+             password: str = PG_PASSWORD, database: str = PG_DATABASE,
+             timeout: float = 3.0) -> list[str | None]:
+    """Log in to PostgreSQL (trust, cleartext, MD5 or SCRAM-SHA-256), run one simple query
+    and return the first column of its rows as text; raise on any failure."""
+    params = f"user\0{user}\0database\0{database}\0\0".encode()
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        body = struct.pack(">i", 196608) + params  # protocol 3.0
+        sock.sendall(struct.pack(">i", len(body) + 4) + body)
+        rows: list[str | None] = []
+        query_sent = False
+        while True:
+            kind, payload = _pg_read(sock)
+            if kind == b"E":
+                raise ConnectionError(_pg_error(payload))
+            if kind == b"R":
+                code = struct.unpack(">i", payload[:4])[0]
+                if code == 3:
+                    sock.sendall(_pg_message(b"p", password.encode() + b"\0"))
+                elif code == 5:
+                    inner = hashlib.md5((password + user).encode()).hexdigest().encode()
+                    digest = hashlib.md5(inner + payload[4:8]).hexdigest()
+                    sock.sendall(_pg_message(b"p", f"md5{digest}".encode() + b"\0"))
+                elif code == 10:
+                    if b"SCRAM-SHA-256\0" not in payload[4:]:
+                        raise ConnectionError("no SASL mechanism this probe speaks")
+                    _pg_scram(sock, password)
+                elif code != 0:
+                    raise ConnectionError(f"authentication method {code} not supported")
+            elif kind == b"D":
+                (length,) = struct.unpack(">i", payload[2:6])
+                rows.append(None if length < 0 else payload[6:6 + length].decode())
+            elif kind == b"Z":
+                if query_sent:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(_pg_message(b"X", b""))
+                    return rows
+                sock.sendall(_pg_message(b"Q", sql.encode() + b"\0"))
+                query_sent = True
+
+
+def postgresql_ready(host: str = HOST, port: int = 55432, timeout: float = 3.0) -> bool:
+    """True when host:port logs the test bed's user in and answers ``SELECT 1``."""
+    try:
+        return pg_query(host, port, "SELECT 1", timeout=timeout) == ["1"]
+    except (OSError, ValueError, KeyError, struct.error):
+        return False
+
+
+PROBES = {"rabbitmq": amqp_ready, "kafka": kafka_ready, "sqs": sqs_ready, "tansu": kafka_ready,
+          "postgresql": postgresql_ready}
 
 
 def ready(kind: str, port: int, host: str = HOST, timeout: float = 3.0) -> bool:

@@ -27,6 +27,8 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "amqps": ("mqabstract.backends.rabbitmq:RabbitMQDriver", "rabbitmq"),
     "kafka": ("mqabstract.backends.kafka:KafkaDriver", "kafka"),
     "sqs": ("mqabstract.backends.sqs:SQSDriver", "sqs"),
+    "postgresql": ("mqabstract.backends.postgresql:PostgreSQLDriver", "postgresql"),
+    "postgres": ("mqabstract.backends.postgresql:PostgreSQLDriver", "postgresql"),
 }
 
 _registered: dict[str, type[Driver] | str] = {}

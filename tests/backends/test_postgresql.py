@@ -1,0 +1,310 @@
+"""PostgreSQL backend: what only it shows — the rows seen with plain SQL, time decided on the
+injected clock, NOTIFY and the polling fallback, statements per batch, migration, errors.
+
+Needs a server: ``scripts/brokers up postgresql`` (or ``MQ_TEST_POSTGRESQL_URL``). Every
+test works in a schema of its own, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import mqabstract
+from mqabstract import FakeClock, OutgoingMessage
+from tests.brokers import resolve_url
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    return resolve_url("postgresql")
+
+
+@pytest.fixture
+def schema(server: str) -> Iterator[str]:
+    name = "t_" + secrets.token_hex(6)
+    yield name
+    with psycopg.connect(_plain(server), autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+
+
+@pytest.fixture
+def url(server: str, schema: str) -> str:
+    return f"{server}{'&' if '?' in server else '?'}schema={schema}"
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def mq(url: str, clock: FakeClock) -> Iterator[mqabstract.Broker]:
+    broker = mqabstract.connect(url, clock=clock)
+    yield broker
+    broker.close()
+
+
+def _plain(url: str) -> str:
+    """The URL as libpq takes it (no mqabstract options)."""
+    return url.split("?", 1)[0]
+
+
+def _sql(server: str, query: str, *args: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(_plain(server), autocommit=True) as conn:
+        cur = conn.execute(query, args or None)
+        return cur.fetchall() if cur.description else []
+
+
+# -- the rows, seen and written with plain SQL ------------------------------------------------
+def test_rows_seen_with_plain_sql_carry_the_fake_clocks_lease(
+        mq: mqabstract.Broker, server: str, schema: str, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "orders.*", lease=30)
+    mq.publish("orders.eu", b"body", headers={"h": "v"}, key="k", priority=4, id="m-1")
+    (row,) = _sql(server, f"SELECT id, topic, body, headers, key, priority, state, attempts"
+                          f" FROM {schema}.mq_queue")
+    assert row[:3] == ("m-1", "orders.eu", b"body")
+    assert json.loads(row[3])["h"] == "v"
+    assert row[4:] == ("k", 4, 0, 0)
+    (msg,) = sub.receive(wait=5)
+    (leased,) = _sql(server, f"SELECT state, attempts, due, token FROM {schema}.mq_queue")
+    assert leased[:2] == (1, 1) and leased[3] != 0
+    assert leased[2] == pytest.approx(clock.time() + 30)  # the driver's clock, not now()
+    msg.ack()
+    assert _sql(server, f"SELECT count(*) FROM {schema}.mq_queue") == [(0,)]
+
+
+def test_a_row_inserted_by_plain_sql_is_received_with_defaults(
+        mq: mqabstract.Broker, server: str, schema: str) -> None:
+    sub = mq.subscribe("g", "raw.#")
+    ((gid,),) = _sql(server, f"SELECT gid FROM {schema}.mq_groups WHERE name = 'g'")
+    got: list[mqabstract.Message] = []
+    waiter = threading.Thread(target=lambda: got.extend(sub.receive(wait=10)))
+    waiter.start()
+    time.sleep(0.2)  # the receiver is waiting (a real wait: it is what NOTIFY must end)
+    started = time.monotonic()
+    _sql(server, f"INSERT INTO {schema}.mq_queue (gid, state, due, priority, attempts, token,"
+                 " id, topic, published_at, body) VALUES (%s, 0, 0, 0, 0, 0, 'plain-1',"
+                 " 'raw.x', 0, 'hi')", gid)
+    _sql(server, "SELECT pg_notify(%s, %s)", f"mq_{schema}", str(gid))
+    waiter.join(10)
+    assert [(m.id, m.topic, m.body, m.attempt) for m in got] == [("plain-1", "raw.x", b"hi", 1)]
+    assert time.monotonic() - started < 0.4  # woken by the NOTIFY, not the 0.5 s poll
+    got[0].ack()
+
+
+# -- time: decided on the injected clock ----------------------------------------------------------
+def test_delay_and_lease_expiry_follow_the_fake_clock(
+        mq: mqabstract.Broker, clock: FakeClock) -> None:
+    first = mq.subscribe("g", "t", lease=30)
+    other = mq.subscribe("g", "t", lease=30)
+    mq.publish("t", b"later", delay=60)
+    assert first.receive(wait=0.3) == []
+    clock.advance(61)
+    (msg,) = first.receive(wait=5)
+    assert msg.attempt == 1
+    assert other.receive(wait=0.3) == []  # leased to first for 30 fake seconds
+    clock.advance(31)
+    (again,) = other.receive(wait=5)
+    assert (again.id, again.attempt) == (msg.id, 2)
+    again.ack()
+    assert mq.stats("g").ready == 0
+
+
+# -- waking: NOTIFY, and polling when notifications are lost ---------------------------------------
+def _latency(receiver: mqabstract.Subscription, publisher: mqabstract.Broker,
+             wait: float) -> float:
+    got: list[mqabstract.Message] = []
+    waiter = threading.Thread(target=lambda: got.extend(receiver.receive(wait=wait)))
+    waiter.start()
+    time.sleep(0.3)  # let the receiver settle into its wait
+    started = time.monotonic()
+    publisher.publish("t", b"x")
+    waiter.join(wait + 5)
+    assert len(got) == 1
+    got[0].ack()
+    return time.monotonic() - started
+
+
+def test_listen_wakes_a_receiver_of_another_connection_before_its_poll(url: str) -> None:
+    with mqabstract.connect(url, poll_interval=5) as consumer, mqabstract.connect(url) as producer:
+        sub = consumer.subscribe("g", "t")
+        assert _latency(sub, producer, wait=10) < 1.0
+
+
+def test_without_notifications_a_receiver_still_gets_messages_within_its_poll(
+        url: str, server: str) -> None:
+    """listen=false stands for a pooler in transaction mode, where NOTIFYs never arrive:
+    the consumer holds no LISTEN connection and still receives within poll_interval."""
+    with mqabstract.connect(url, listen=False, poll_interval=0.3) as consumer, \
+            mqabstract.connect(url) as producer:
+        sub = consumer.subscribe("g", "t")
+        listening = _sql(server, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE"
+                                 " %s", f"LISTEN mq_{url.rsplit('=', 1)[1]}%")
+        assert listening == [(0,)]
+        assert consumer.capabilities.release_margin == pytest.approx(0.3 + 0.25)
+        took = [_latency(sub, producer, wait=10) for _ in range(3)]
+        assert max(took) < 0.3 + 0.25, took
+
+
+# -- one statement per batch ---------------------------------------------------------------------
+def test_batch_publish_claim_and_ack_are_one_statement_each(
+        mq: mqabstract.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    sub = mq.subscribe("a", "t")
+    mq.subscribe("b", "t").close()  # a second group: the rows fan out in the same statement
+    mq.publish("t", b"warm")  # routes loaded
+    sub.ack_many(sub.receive(10, wait=5))
+    calls: list[str] = []
+    real = psycopg.Connection.execute
+
+    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kw: Any) -> Any:
+        if not str(query).startswith("LISTEN"):  # the listener thread's (re)connect
+            calls.append(str(query)[:40])
+        return real(self, query, *args, **kw)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    mq.publish_batch([OutgoingMessage("t", {"n": i}) for i in range(500)])
+    assert len(calls) == 1, calls
+    calls.clear()
+    got = sub.receive(500, wait=5)
+    assert len(got) == 500
+    assert len(calls) == 3, calls  # promote, claim, next due: pipelined, one round trip
+    calls.clear()
+    sub.ack_many(got)
+    assert len(calls) == 1, calls
+    monkeypatch.undo()
+    assert mq.stats("a").ready == 0 and mq.stats("b").ready == 501
+
+
+def test_a_batch_larger_than_a_chunk_is_written_in_one_transaction(
+        mq: mqabstract.Broker, server: str, schema: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mqabstract.backends.postgresql import driver
+
+    monkeypatch.setattr(driver, "CHUNK_BYTES", 250)
+    sub = mq.subscribe("g", "t")
+    mq.publish("t", b"warm")
+    sub.ack_many(sub.receive(10, wait=5))
+    statements: list[str] = []
+    real = psycopg.Connection.execute
+
+    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kw: Any) -> Any:
+        if str(query).startswith("WITH ins"):
+            statements.append("publish")
+        return real(self, query, *args, **kw)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    mq.publish_batch([OutgoingMessage("t", bytes([i]) * 100) for i in range(10)])
+    assert len(statements) == 5  # two 100-byte bodies per 250-byte chunk
+    got = sub.receive(20, wait=5)
+    assert sorted(m.body[0] for m in got) == list(range(10))
+    sub.ack_many(got)
+
+
+# -- schema and migration --------------------------------------------------------------------------
+def test_concurrent_opens_of_a_new_schema_migrate_it_once(url: str, server: str,
+                                                          schema: str) -> None:
+    errors: list[BaseException] = []
+    brokers: list[mqabstract.Broker] = []
+
+    def open_one() -> None:
+        try:
+            brokers.append(mqabstract.connect(url))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for b in brokers:
+        b.close()
+    assert not errors, errors
+    assert _sql(server, f"SELECT version FROM {schema}.mq_version") == [(1,)]
+    with mqabstract.connect(url) as again:  # idempotent: nothing to do, nothing lost
+        again.declare("g", "t")
+    assert _sql(server, f"SELECT version FROM {schema}.mq_version") == [(1,)]
+
+
+def test_a_schema_from_a_newer_version_is_refused(url: str, server: str, schema: str) -> None:
+    mqabstract.connect(url).close()
+    _sql(server, f"UPDATE {schema}.mq_version SET version = 99")
+    with pytest.raises(mqabstract.ConnectionFailed, match="newer"):
+        mqabstract.connect(url)
+
+
+# -- errors and options ----------------------------------------------------------------------
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_server_that_never_answers_fails_within_the_connect_timeout() -> None:
+    silent = socket.socket()  # accepts connections (backlog) and never says a word
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = silent.getsockname()[1]
+        url = f"postgresql://mq:S3cret-pw@127.0.0.1:{port}/db?connect_timeout=2"
+        started = time.monotonic()
+        with pytest.raises(mqabstract.ConnectionFailed) as info:
+            mqabstract.connect(url)
+        assert time.monotonic() - started < 5
+    finally:
+        silent.close()
+    assert "S3cret-pw" not in str(info.value) and f"127.0.0.1:{port}" in str(info.value)
+    assert info.value.retryable
+
+
+def test_refused_connection_is_connection_failed_at_once() -> None:
+    url = f"postgresql://mq:S3cret-pw@127.0.0.1:{_closed_port()}/db"
+    started = time.monotonic()
+    with pytest.raises(mqabstract.ConnectionFailed) as info:
+        mqabstract.connect(url)
+    assert time.monotonic() - started < 2
+    assert "S3cret-pw" not in str(info.value) and "mq:***@" in str(info.value)
+
+
+def test_lost_connections_become_connection_failed_then_recover(
+        mq: mqabstract.Broker, server: str, schema: str) -> None:
+    mq.ping()
+    # only this test's connections: application_name names the schema
+    killed = _sql(server, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                          " WHERE application_name = %s", f"mqabstract:{schema}")
+    assert killed == [(True,)]
+    with pytest.raises(mqabstract.ConnectionFailed):
+        mq.ping()  # psycopg's OperationalError never escapes as itself
+    mq.ping()  # the pool replaced the dead connection
+
+
+@pytest.mark.parametrize("option, value", [
+    ("schema", "Bad-Name"), ("schema", "x" * 60), ("poll_interval", "0"),
+    ("poll_interval", "nan"), ("connect_timeout", "-1"), ("pool_size", "0"),
+    ("listen", "maybe"), ("no_such_option", "1"),
+])
+def test_bad_options_are_refused_before_connecting(option: str, value: str) -> None:
+    url = f"postgresql://mq:pw@127.0.0.1:{_closed_port()}/db?{option}={value}"
+    with pytest.raises(mqabstract.InvalidArgument):
+        mqabstract.connect(url)
+
+
+@pytest.mark.parametrize("url", ["postgresql://mq:pw@127.0.0.1:5432/",
+                                 "postgresql:///db"])
+def test_urls_without_host_or_database_are_invalid(url: str) -> None:
+    with pytest.raises(mqabstract.InvalidURL):
+        mqabstract.connect(url)
+
+
+def test_postgres_scheme_is_an_alias(url: str) -> None:
+    with mqabstract.connect(url.replace("postgresql://", "postgres://", 1)) as mq:
+        assert mq.backend == "postgresql"
