@@ -142,7 +142,7 @@ def summary(rows: list[tuple[float, str, float, int, int, int]], release_at: flo
           f"{min(r[2] for r in hold) / b_rate:.2f}x of the baseline rate; at most "
           f"{max(r[3] for r in hold):,} dead tuples, {max(r[5] for r in hold) / 2**20:.1f} MB")
     for what, col, limit in (("dead tuples", 3, b_dead * 1.5), ("size", 5, b_size * 1.5)):
-        back = next((r[0] - release_at for r in after if r[col] <= limit), None)
+        back = next((r[0] - release_at for r in after if float(r[col]) <= limit), None)
         when = f"{back:.0f} s after the reader ended" if back is not None else "not within the run"
         print(f"{what} back to <= 1.5x the baseline's highest: {when}")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -20,6 +20,15 @@ READY, LEASED, DELAYED = 0, 1, 2
 SCHEMA_VERSION = 1
 _IDENT = re.compile(r"[a-z_][a-z0-9_]{0,47}\Z")
 
+
+def partition_ddl(n: int) -> tuple[str, str]:
+    """Partition ``n`` of ``mq_queue``: made apart, then attached (ATTACH takes SHARE UPDATE
+    EXCLUSIVE on the parent, so it waits for no reader, where PARTITION OF would)."""
+    return (f"CREATE TABLE {{s}}.mq_queue_{n} (LIKE {{s}}.mq_queue) WITH (fillfactor = 80,"
+            " autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0)",
+            f"ALTER TABLE {{s}}.mq_queue ATTACH PARTITION {{s}}.mq_queue_{n} FOR VALUES IN ({n})")
+
+
 # One list per version: opening a schema at version n runs the lists after n, in order.
 _MIGRATIONS: tuple[tuple[str, ...], ...] = ((
     """CREATE TABLE {s}.mq_meta (name text PRIMARY KEY, value bigint NOT NULL)""",
@@ -29,20 +38,30 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = ((
         name text NOT NULL UNIQUE, pattern text NOT NULL, max_attempts integer NOT NULL,
         lease double precision NOT NULL, ordered boolean NOT NULL,
         created_at double precision NOT NULL)""",
-    # One row per (group, message). Claims rewrite state/due/attempts/token in place; a
-    # lower fillfactor leaves room on the page for those new row versions.
+    # One row per (group, message), in one of a ring of LIST partitions by `part`
+    # (docs/backends/postgresql.md, "Bloat"): rows go to the partition mq_parts calls
+    # current; a drained partition goes away by TRUNCATE, not VACUUM. Claims rewrite
+    # state/due/attempts/token in place; a lower fillfactor leaves room for those.
+    """CREATE SEQUENCE {s}.mq_seq""",
+    """CREATE TABLE {s}.mq_parts (part smallint PRIMARY KEY, state smallint NOT NULL,
+        since double precision NOT NULL, seq0 bigint NOT NULL)""",
+    """CREATE FUNCTION {s}.mq_part() RETURNS smallint LANGUAGE sql STABLE
+        AS 'SELECT part FROM {s}.mq_parts WHERE state = 1'""",
     """CREATE TABLE {s}.mq_queue (
-        seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        seq bigint NOT NULL DEFAULT nextval('{s}.mq_seq'),
+        part smallint NOT NULL DEFAULT {s}.mq_part(),
         gid integer NOT NULL, state smallint NOT NULL, due double precision NOT NULL,
         priority smallint NOT NULL, attempts integer NOT NULL, token bigint NOT NULL,
         key text, id text NOT NULL, topic text NOT NULL,
         published_at double precision NOT NULL, headers text, body bytea NOT NULL
-    ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02,
-            autovacuum_vacuum_cost_delay = 0)""",
+    ) PARTITION BY LIST (part)""",
+    """CREATE INDEX mq_queue_seq ON {s}.mq_queue (seq)""",
     """CREATE INDEX mq_queue_ready ON {s}.mq_queue (gid, priority DESC, seq)
         WHERE state = 0""",
     """CREATE INDEX mq_queue_waiting ON {s}.mq_queue (gid, due) WHERE state <> 0""",
     """CREATE INDEX mq_queue_key ON {s}.mq_queue (gid, key, seq) WHERE key IS NOT NULL""",
+    *(step for n in range(3) for step in (*partition_ddl(n),
+      f"INSERT INTO {{s}}.mq_parts VALUES ({n}, {int(n == 0)}, 0, 0)")),
     """CREATE TABLE {s}.mq_dead (
         dseq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
         gid integer NOT NULL, id text NOT NULL, topic text NOT NULL, key text,
@@ -94,6 +113,17 @@ def migrate(conn: psycopg.Connection[tuple[Any, ...]], schema: str, where: str) 
             conn.execute(f"INSERT INTO {schema}.mq_version VALUES (%s)", (SCHEMA_VERSION,))
 
 
+class Hot(NamedTuple):
+    promote: str
+    claim: str
+    claim_ordered: str
+    next_due: str
+    ack: str
+    release: str
+    extend: str
+    dead_letter: str
+
+
 class Statements:
     """The hot path's statements for one schema, built once per driver."""
 
@@ -103,45 +133,60 @@ class Statements:
         # Rows and NOTIFY in one statement, landing only while the groups version is the
         # routed one. Arrays in binary (%b): ten times cheaper to adapt than as text.
         self.publish = (
-            f"WITH ins AS (INSERT INTO {s}.mq_queue (gid, state, due, priority, attempts,"
-            " token, key, id, topic, published_at, headers, body)"
-            " SELECT r.gid, r.state, r.due, r.priority, 0, 0, r.key, r.id, r.topic, r.at,"
-            " r.headers, r.body FROM unnest(%b::int[], %b::smallint[],"
-            " %b::float8[], %b::smallint[], %b::text[], %b::text[], %b::text[], %b::float8[],"
-            " %b::text[], %b::bytea[]) AS r(gid, state, due, priority, key, id, topic, at,"
-            f" headers, body) WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups')"
-            " = %s RETURNING gid)"
+            f"WITH ins AS (INSERT INTO {s}.mq_queue (part, gid, state, due, priority,"
+            " attempts, token, key, id, topic, published_at, headers, body)"
+            f" SELECT (SELECT part FROM {s}.mq_parts WHERE state = 1), r.gid, r.state, r.due,"
+            " r.priority, 0, 0, r.key, r.id, r.topic, r.at, r.headers, r.body FROM"
+            " unnest(%b::int[], %b::smallint[], %b::float8[], %b::smallint[], %b::text[],"
+            " %b::text[], %b::text[], %b::float8[], %b::text[], %b::bytea[]) AS r(gid, state,"
+            " due, priority, key, id, topic, at, headers, body)"
+            f" WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups') = %s RETURNING gid)"
             f" SELECT count(*), (SELECT count(pg_notify('{self.channel}', g::text)) FROM"
             " (SELECT DISTINCT gid FROM ins) AS d(g)) FROM ins")
         self.version = f"SELECT value FROM {s}.mq_meta WHERE name = 'groups'"
         self.routes = (f"SELECT m.value, g.gid, g.pattern FROM {s}.mq_meta m"
                        f" LEFT JOIN {s}.mq_groups g ON true WHERE m.name = 'groups'")
         self.bump = f"UPDATE {s}.mq_meta SET value = value + 1 WHERE name = 'groups'"
-        self.promote = (
-            f"UPDATE {s}.mq_queue SET state = 0 WHERE seq = ANY(ARRAY(SELECT seq FROM"
-            f" {s}.mq_queue WHERE gid = %s AND state <> 0 AND due <= %s ORDER BY due"
-            " LIMIT 1000 FOR UPDATE SKIP LOCKED))")
-        pick = (f"SELECT q.seq FROM {s}.mq_queue q WHERE q.gid = %s AND q.state = 0{{gate}}"
-                " ORDER BY q.priority DESC, q.seq LIMIT %s FOR UPDATE SKIP LOCKED")
+        # Drained partitions (rotation.DRAINED) hold only row versions waiting for their
+        # TRUNCATE: the hot statements prune them (a literal list, so the planner does:
+        # it cannot prune on a parameter), so they never walk those dead index entries.
+        live = "part <> ALL('{{skip}}'::smallint[])"
+        promote = (
+            f"UPDATE {s}.mq_queue SET state = 0 WHERE {live} AND seq = ANY(ARRAY(SELECT seq"
+            f" FROM {s}.mq_queue WHERE {live} AND gid = %s AND state <> 0 AND due <= %s"
+            " ORDER BY due LIMIT 1000 FOR UPDATE SKIP LOCKED))")
+        pick = (f"SELECT q.seq FROM {s}.mq_queue q WHERE q.{live} AND q.gid = %s"
+                " AND q.state = 0{gate} ORDER BY q.priority DESC, q.seq LIMIT %s"
+                " FOR UPDATE SKIP LOCKED")
         claim = (f"UPDATE {s}.mq_queue SET state = 1, due = %s, attempts = attempts + 1,"
-                 f" token = %s WHERE seq = ANY(ARRAY({pick})) {returning}")
-        self.claim = claim.format(gate="")
+                 f" token = %s WHERE {live} AND seq = ANY(ARRAY({pick})) {returning}")
         # Ordered groups: a keyed row is deliverable only while it is the oldest row of its
         # key in the group (an earlier one leased, delayed or ready blocks it).
-        self.claim_ordered = claim.format(gate=(
+        ordered = claim.replace("{gate}", (
             f" AND (q.key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.mq_queue p"
-            " WHERE p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
-        self.next_due = f"SELECT min(due) FROM {s}.mq_queue WHERE gid = %s AND state <> 0"
-        held = ("seq = ANY(%b::bigint[]) AND state = 1 AND due > %s"
+            f" WHERE p.{live} AND p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
+        next_due = (f"SELECT min(due) FROM {s}.mq_queue WHERE {live} AND gid = %s"
+                    " AND state <> 0")
+        held = (f"{live} AND seq = ANY(%b::bigint[]) AND state = 1 AND due > %s"
                 " AND token = (%b::bigint[])[array_position(%b::bigint[], seq)]")
-        self.ack = f"DELETE FROM {s}.mq_queue WHERE {held}"
-        self.release = f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}"
-        self.extend = (f"UPDATE {s}.mq_queue SET due = %s WHERE seq = %s AND token = %s"
-                       " AND state = 1 AND due > %s")
         dead = "gid, id, topic, key, priority, published_at, headers, body"
-        self.dead_letter = (
-            f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE seq = %s AND token = %s"
+        self._hot = Hot(
+            promote, claim.replace("{gate}", ""), ordered, next_due,
+            f"DELETE FROM {s}.mq_queue WHERE {held}",
+            f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}",
+            f"UPDATE {s}.mq_queue SET due = %s WHERE {live} AND seq = %s AND token = %s"
+            " AND state = 1 AND due > %s",
+            f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE {live} AND seq = %s AND token = %s"
             f" AND state = 1 AND due > %s RETURNING {dead})"
             f" INSERT INTO {s}.mq_dead ({dead}, attempts, reason, dead_at)"
             f" SELECT {dead}, %s, %s, %s FROM gone")
+        self._built: dict[tuple[int, ...], Hot] = {}
         self.notify = f"SELECT pg_notify('{self.channel}', %s)"
+
+    def hot(self, drained: tuple[int, ...]) -> Hot:
+        """The receivers' statements, skipping the ``drained`` partitions (a leased row is
+        never in one: a partition is drained only once it holds no row)."""
+        if drained not in self._built:
+            skip = ",".join(str(int(p)) for p in drained)
+            self._built = {drained: Hot(*(q.replace("{skip}", skip) for q in self._hot))}
+        return self._built[drained]

@@ -15,7 +15,7 @@ from mqabstract.driver import DriverSubscription
 from mqabstract.errors import Closed, LeaseExpired
 from mqabstract.model import Delivery, GroupSpec
 
-from .schema import DELAYED, READY, decode_headers
+from .schema import DELAYED, READY, Hot, decode_headers
 from .store import Store
 
 __all__ = ["PostgreSQLSubscription"]
@@ -29,7 +29,6 @@ class PostgreSQLSubscription(DriverSubscription):
         self._gid = gid
         self._lease = spec.lease
         self._ordered = spec.ordered
-        self._claim = store.sql.claim_ordered if spec.ordered else store.sql.claim
         self._held: dict[int, int] = {}  # seq -> token of the leases this consumer holds
         self._lock = threading.Lock()
         self._closed = False
@@ -39,16 +38,19 @@ class PostgreSQLSubscription(DriverSubscription):
         d, sql, gid = self._d, self._d.sql, self._gid
         now = d.now()
         token = random.getrandbits(62) or 1
+        hot = sql.hot(d.drained)
         with d.conn("receive") as conn:
             # One round trip: due rows become ready (skipping rows other claimers hold:
-            # none waits on another), the claim, and when the group's next row falls due.
+            # none waits on another) and the claim; when it got fewer than asked, another
+            # for when the group's next row falls due (the idle wait's bound).
             with conn.pipeline():
-                conn.execute(sql.promote, (gid, now))
-                claimed = conn.execute(self._claim, (now + self._lease, token, gid,
-                                                     max_messages), binary=True)
-                due = conn.execute(sql.next_due, (gid,))
+                conn.execute(hot.promote, (gid, now))
+                claimed = conn.execute(hot.claim_ordered if self._ordered else hot.claim,
+                                       (now + self._lease, token, gid, max_messages),
+                                       binary=True)
             rows = claimed.fetchall()
-            row = due.fetchone()
+            row = conn.execute(hot.next_due, (gid,)).fetchone() \
+                if len(rows) < max_messages else None
         self._next_due = None if row is None or row[0] is None else float(row[0])
         rows.sort(key=lambda r: (-r[6], r[0]))
         out = []
@@ -87,7 +89,7 @@ class PostgreSQLSubscription(DriverSubscription):
         seqs, tokens = self._forget(receipts)
         now = self._d.now()
         with self._d.conn("ack") as conn:
-            conn.execute(self._d.sql.ack, (seqs, now, tokens, seqs))
+            conn.execute(self._hot().ack, (seqs, now, tokens, seqs))
             if self._ordered:  # the key's next message may go now, to any process
                 self._d.notify(conn, self._gid)
 
@@ -100,7 +102,7 @@ class PostgreSQLSubscription(DriverSubscription):
         now = self._d.now()
         state, due = (DELAYED, now + delay) if delay > 0 else (READY, 0.0)
         with self._d.conn("nack") as conn:
-            if conn.execute(self._d.sql.release,
+            if conn.execute(self._hot().release,
                             (state, due, seqs, now, tokens, seqs)).rowcount:
                 self._d.notify(conn, self._gid)
 
@@ -108,7 +110,7 @@ class PostgreSQLSubscription(DriverSubscription):
         self._check_open()
         now = self._d.now()
         with self._d.conn("extend") as conn:
-            if not conn.execute(self._d.sql.extend, (now + seconds, *receipt, now)).rowcount:
+            if not conn.execute(self._hot().extend, (now + seconds, *receipt, now)).rowcount:
                 raise LeaseExpired("the lease ended or another consumer holds the message")
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
@@ -116,9 +118,12 @@ class PostgreSQLSubscription(DriverSubscription):
         (seq,), (token,) = self._forget([receipt])
         now = self._d.now()
         with self._d.conn("dead_letter") as conn:
-            if conn.execute(self._d.sql.dead_letter,
+            if conn.execute(self._hot().dead_letter,
                             (seq, token, now, attempts, reason, now)).rowcount and self._ordered:
                 self._d.notify(conn, self._gid)
+
+    def _hot(self) -> Hot:
+        return self._d.sql.hot(self._d.drained)
 
     def _check_open(self) -> None:
         if self._closed:
