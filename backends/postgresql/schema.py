@@ -167,7 +167,9 @@ class Statements:
             f" WHERE p.{live} AND p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
         next_due = (f"SELECT min(due) FROM {s}.mq_queue WHERE {live} AND gid = %s"
                     " AND state <> 0")
-        held = (f"{live} AND seq = ANY(%b::bigint[]) AND state = 1 AND due > %s"
+        # A settle finds its rows by seq; "due - now > 0" rather than "due > now", which
+        # the planner would take to the waiting index and walk every leased row there.
+        held = (f"{live} AND seq = ANY(%b::bigint[]) AND state = 1 AND due - %s > 0"
                 " AND token = (%b::bigint[])[array_position(%b::bigint[], seq)]")
         dead = "gid, id, topic, key, priority, published_at, headers, body"
         self._hot = Hot(
@@ -175,9 +177,9 @@ class Statements:
             f"DELETE FROM {s}.mq_queue WHERE {held}",
             f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}",
             f"UPDATE {s}.mq_queue SET due = %s WHERE {live} AND seq = %s AND token = %s"
-            " AND state = 1 AND due > %s",
+            " AND state = 1 AND due - %s > 0",
             f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE {live} AND seq = %s AND token = %s"
-            f" AND state = 1 AND due > %s RETURNING {dead})"
+            f" AND state = 1 AND due - %s > 0 RETURNING {dead})"
             f" INSERT INTO {s}.mq_dead ({dead}, attempts, reason, dead_at)"
             f" SELECT {dead}, %s, %s, %s FROM gone")
         self._built: dict[tuple[int, ...], Hot] = {}
