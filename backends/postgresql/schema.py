@@ -118,6 +118,9 @@ class Hot(NamedTuple):
     claim: str
     claim_ordered: str
     next_due: str
+
+
+class Settle(NamedTuple):
     ack: str
     release: str
     extend: str
@@ -129,7 +132,8 @@ class Statements:
 
     def __init__(self, s: str) -> None:
         self.channel = f"mq_{s}"  # LISTEN/NOTIFY channel: payload = group id
-        returning = "RETURNING seq, id, topic, body, headers, key, priority, attempts, published_at"
+        returning = ("RETURNING seq, id, topic, body, headers, key, priority, attempts,"
+                     " published_at, part")
         # Rows and NOTIFY in one statement, landing only while the groups version is the
         # routed one. Arrays in binary (%b): ten times cheaper to adapt than as text.
         self.publish = (
@@ -167,22 +171,25 @@ class Statements:
             f" WHERE p.{live} AND p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
         next_due = (f"SELECT min(due) FROM {s}.mq_queue WHERE {live} AND gid = %s"
                     " AND state <> 0")
-        # A settle finds its rows by seq; "due - now > 0" rather than "due > now", which
-        # the planner would take to the waiting index and walk every leased row there.
-        held = (f"{live} AND seq = ANY(%b::bigint[]) AND state = 1 AND due - %s > 0"
+        # A settle names the partitions of its receipts (a leased row never moves), so
+        # the planner opens only those, and finds its rows by seq: "due - now > 0" rather
+        # than "due > now", which it would take to the waiting index (every leased row).
+        mine = "part = ANY('{{parts}}'::smallint[])"
+        held = (f"{mine} AND seq = ANY(%b::bigint[]) AND state = 1 AND due - %s > 0"
                 " AND token = (%b::bigint[])[array_position(%b::bigint[], seq)]")
         dead = "gid, id, topic, key, priority, published_at, headers, body"
-        self._hot = Hot(
-            promote, claim.replace("{gate}", ""), ordered, next_due,
+        self._hot = promote, claim.replace("{gate}", ""), ordered, next_due
+        self._settle = Settle(
             f"DELETE FROM {s}.mq_queue WHERE {held}",
             f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}",
-            f"UPDATE {s}.mq_queue SET due = %s WHERE {live} AND seq = %s AND token = %s"
+            f"UPDATE {s}.mq_queue SET due = %s WHERE {mine} AND seq = %s AND token = %s"
             " AND state = 1 AND due - %s > 0",
-            f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE {live} AND seq = %s AND token = %s"
+            f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE {mine} AND seq = %s AND token = %s"
             f" AND state = 1 AND due - %s > 0 RETURNING {dead})"
             f" INSERT INTO {s}.mq_dead ({dead}, attempts, reason, dead_at)"
             f" SELECT {dead}, %s, %s, %s FROM gone")
         self._built: dict[tuple[int, ...], Hot] = {}
+        self._settles: dict[tuple[int, ...], Settle] = {}
         self.notify = f"SELECT pg_notify('{self.channel}', %s)"
 
     def hot(self, drained: tuple[int, ...]) -> Hot:
@@ -192,3 +199,12 @@ class Statements:
             skip = ",".join(str(int(p)) for p in drained)
             self._built = {drained: Hot(*(q.replace("{skip}", skip) for q in self._hot))}
         return self._built[drained]
+
+    def settle(self, parts: tuple[int, ...]) -> Settle:
+        """The settles of receipts in partitions ``parts``."""
+        if parts not in self._settles:
+            if len(self._settles) > 64:
+                self._settles.clear()
+            names = ",".join(str(int(p)) for p in parts)
+            self._settles[parts] = Settle(*(q.replace("{parts}", names) for q in self._settle))
+        return self._settles[parts]

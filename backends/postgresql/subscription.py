@@ -15,21 +15,23 @@ from mqabstract.driver import DriverSubscription
 from mqabstract.errors import Closed, LeaseExpired
 from mqabstract.model import Delivery, GroupSpec
 
-from .schema import DELAYED, READY, Hot, decode_headers
+from .schema import DELAYED, READY, Settle, decode_headers
 from .store import Store
 
 __all__ = ["PostgreSQLSubscription"]
 
+Receipt = tuple[int, int, int]  # seq, lease token, partition
+
 
 class PostgreSQLSubscription(DriverSubscription):
-    """One consumer of one group; receipts are ``(seq, lease_token)``."""
+    """One consumer of one group; receipts are ``(seq, lease token, partition)``."""
 
     def __init__(self, store: Store, spec: GroupSpec, gid: int) -> None:
         self._d = store
         self._gid = gid
         self._lease = spec.lease
         self._ordered = spec.ordered
-        self._held: dict[int, int] = {}  # seq -> token of the leases this consumer holds
+        self._held: dict[int, Receipt] = {}  # seq -> the leases this consumer holds
         self._lock = threading.Lock()
         self._closed = False
         self._next_due: float | None = None
@@ -55,10 +57,10 @@ class PostgreSQLSubscription(DriverSubscription):
         rows.sort(key=lambda r: (-r[6], r[0]))
         out = []
         with self._lock:
-            for seq, mid, topic, body, headers, key, prio, attempts, published in rows:
-                self._held[seq] = token
+            for seq, mid, topic, body, headers, key, prio, attempts, published, part in rows:
+                self._held[seq] = receipt = (seq, token, part)
                 out.append(Delivery(mid, topic, bytes(body), decode_headers(headers), key, prio,
-                                    attempts, published, (seq, token)))
+                                    attempts, published, receipt))
         return out
 
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
@@ -76,20 +78,22 @@ class PostgreSQLSubscription(DriverSubscription):
                 wait = min(wait, max(0.0, self._next_due - d.now()) + 0.001)
             d.waker.wait(self._gid, seen, wait)
 
-    def _forget(self, receipts: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    def _forget(self, receipts: Sequence[Receipt]) -> tuple[list[int], list[int], Settle]:
+        """Seqs, tokens, and the settle statements for the receipts' partitions."""
         with self._lock:
-            for seq, _ in receipts:
+            for seq, _, _ in receipts:
                 self._held.pop(seq, None)
-        return [r[0] for r in receipts], [r[1] for r in receipts]
+        return ([r[0] for r in receipts], [r[1] for r in receipts],
+                self._d.sql.settle(tuple(sorted({r[2] for r in receipts}))))
 
     def ack(self, receipts: Sequence[Any]) -> None:
         self._check_open()
         if not receipts:
             return
-        seqs, tokens = self._forget(receipts)
+        seqs, tokens, sql = self._forget(receipts)
         now = self._d.now()
         with self._d.conn("ack") as conn:
-            conn.execute(self._hot().ack, (seqs, now, tokens, seqs))
+            conn.execute(sql.ack, (seqs, now, tokens, seqs))
             if self._ordered:  # the key's next message may go now, to any process
                 self._d.notify(conn, self._gid)
 
@@ -97,12 +101,12 @@ class PostgreSQLSubscription(DriverSubscription):
         self._check_open()
         self._release([receipt], delay)
 
-    def _release(self, receipts: Sequence[tuple[int, int]], delay: float) -> None:
-        seqs, tokens = self._forget(receipts)
+    def _release(self, receipts: Sequence[Receipt], delay: float) -> None:
+        seqs, tokens, sql = self._forget(receipts)
         now = self._d.now()
         state, due = (DELAYED, now + delay) if delay > 0 else (READY, 0.0)
         with self._d.conn("nack") as conn:
-            if conn.execute(self._hot().release,
+            if conn.execute(sql.release,
                             (state, due, seqs, now, tokens, seqs)).rowcount:
                 self._d.notify(conn, self._gid)
 
@@ -110,20 +114,19 @@ class PostgreSQLSubscription(DriverSubscription):
         self._check_open()
         now = self._d.now()
         with self._d.conn("extend") as conn:
-            if not conn.execute(self._hot().extend, (now + seconds, *receipt, now)).rowcount:
+            seq, token, part = receipt
+            if not conn.execute(self._d.sql.settle((part,)).extend,
+                                (now + seconds, seq, token, now)).rowcount:
                 raise LeaseExpired("the lease ended or another consumer holds the message")
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         self._check_open()
-        (seq,), (token,) = self._forget([receipt])
+        (seq,), (token,), sql = self._forget([receipt])
         now = self._d.now()
         with self._d.conn("dead_letter") as conn:
-            if conn.execute(self._hot().dead_letter,
+            if conn.execute(sql.dead_letter,
                             (seq, token, now, attempts, reason, now)).rowcount and self._ordered:
                 self._d.notify(conn, self._gid)
-
-    def _hot(self) -> Hot:
-        return self._d.sql.hot(self._d.drained)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -135,7 +138,7 @@ class PostgreSQLSubscription(DriverSubscription):
             if self._closed:
                 return
             self._closed = True
-            held, self._held = list(self._held.items()), {}
+            held, self._held = list(self._held.values()), {}
         if held and not self._d.closed:
             self._release(held, 0.0)
         self._d.waker.wake()
