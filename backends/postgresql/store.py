@@ -109,7 +109,7 @@ class Store:
             # Every statement finds its rows by an index; the planner, misled by a
             # partition's few live rows among many dead ones, would scan it whole. (JIT
             # off: that setting's cost penalty would make it compile every statement.)
-            "options": "-c enable_seqscan=off -c jit=off -c plan_cache_mode=force_generic_plan",
+            "options": "-c enable_seqscan=off -c jit=off",
         }
         self.sql, self.schema = Statements(schema), schema
         self._rotator: threading.Thread | None = None
