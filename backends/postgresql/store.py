@@ -182,9 +182,10 @@ class Store:
 
     def _rotate(self) -> None:
         """The partition ring's pass (``rotation.rotate``) twice per rotation period; a
-        failed pass (a lost connection) is tried again on the next."""
+        failed pass (a lost connection, anything else) is tried again on the next: the
+        thread must not end while the Broker is open."""
         while not self._stop.wait(ROTATE_EVERY / 2):
-            with contextlib.suppress(MQError), self.conn("rotate") as conn:
+            with contextlib.suppress(Exception), self.conn("rotate") as conn:
                 self.drained = rotate(conn, self.schema)
 
     def notify(self, conn: Conn, gid: int) -> None:

@@ -10,9 +10,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from psycopg.errors import SerializationFailure
+
 from mqabstract.clock import SystemClock
 from mqabstract.driver import DriverSubscription
-from mqabstract.errors import Closed, LeaseExpired
+from mqabstract.errors import Closed, LeaseExpired, MQError
 from mqabstract.model import Delivery, GroupSpec
 
 from .schema import DELAYED, READY, Settle, decode_headers
@@ -37,10 +39,28 @@ class PostgreSQLSubscription(DriverSubscription):
         self._next_due: float | None = None
 
     def _try_claim(self, max_messages: int) -> list[Delivery]:
-        d, sql, gid = self._d, self._d.sql, self._gid
-        now = d.now()
+        now = self._d.now()
         token = random.getrandbits(62) or 1
-        hot = sql.hot(d.drained)
+        for attempt in (1, 2, 3):
+            try:
+                rows = self._claim(now, token, max_messages)
+                break
+            except MQError as exc:  # the rotation moved a row the claim had seen to
+                # another partition (rotation.py: stragglers): look again
+                if attempt == 3 or not isinstance(exc.__cause__, SerializationFailure):
+                    raise
+        rows.sort(key=lambda r: (-r[6], r[0]))
+        out = []
+        with self._lock:
+            for seq, mid, topic, body, headers, key, prio, attempts, published, part in rows:
+                self._held[seq] = receipt = (seq, token, part)
+                out.append(Delivery(mid, topic, bytes(body), decode_headers(headers), key, prio,
+                                    attempts, published, receipt))
+        return out
+
+    def _claim(self, now: float, token: int, max_messages: int) -> list[tuple[Any, ...]]:
+        d, gid = self._d, self._gid
+        hot = d.sql.hot(d.drained)
         with d.conn("receive") as conn:
             # One round trip: due rows become ready (skipping rows other claimers hold:
             # none waits on another) and the claim; when it got fewer than asked, another
@@ -54,14 +74,7 @@ class PostgreSQLSubscription(DriverSubscription):
             row = conn.execute(hot.next_due, (gid,)).fetchone() \
                 if len(rows) < max_messages else None
         self._next_due = None if row is None or row[0] is None else float(row[0])
-        rows.sort(key=lambda r: (-r[6], r[0]))
-        out = []
-        with self._lock:
-            for seq, mid, topic, body, headers, key, prio, attempts, published, part in rows:
-                self._held[seq] = receipt = (seq, token, part)
-                out.append(Delivery(mid, topic, bytes(body), decode_headers(headers), key, prio,
-                                    attempts, published, receipt))
-        return out
+        return rows
 
     def receive(self, max_messages: int, timeout: float) -> list[Delivery]:
         self._check_open()

@@ -119,6 +119,35 @@ def test_delay_and_lease_expiry_follow_the_fake_clock(
     assert mq.stats("g").ready == 0
 
 
+# -- bloat: the partition ring (docs: "Bloat") -------------------------------------------------
+def test_rotation_truncates_under_a_reader_and_moves_stragglers_forward(
+        mq: mqabstract.Broker, server: str, schema: str, clock: FakeClock) -> None:
+    sub = mq.subscribe("g", "t", lease=30)
+    mq.publish("t", b"later", delay=60)  # stays behind: a straggler to move
+    ((first,),) = _sql(server, f"SELECT part FROM {schema}.mq_queue")
+    with psycopg.connect(_plain(server)) as reader:  # pins the partitions existing now
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute(f"SELECT 1 FROM {schema}.mq_queue LIMIT 1").fetchall()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mq.publish_batch([("t", b"x")] * 50)
+            got = sub.receive(100, wait=1)
+            assert all(m.body == b"x" for m in got)
+            sub.ack_many(got)
+            parts = dict(_sql(server, f"SELECT part, state FROM {schema}.mq_parts"))
+            ((now,),) = _sql(server, f"SELECT part FROM {schema}.mq_queue WHERE body = 'later'")
+            if now != first and any(p >= 3 and st == 0 for p, st in parts.items()):
+                break  # moved, and a partition made after the reader was truncated
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"no move or truncate in 30 s: {parts}, straggler in {now}")
+        assert parts[first] == 3  # drained: the reader holds it, the claims skip it
+    clock.advance(61)
+    (msg,) = sub.receive(wait=5)
+    assert (msg.body, msg.attempt) == (b"later", 1)
+    msg.ack()
+
+
 # -- waking: NOTIFY, and polling when notifications are lost ---------------------------------------
 def _latency(receiver: mqabstract.Subscription, publisher: mqabstract.Broker,
              wait: float) -> float:
