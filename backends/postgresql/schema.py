@@ -171,25 +171,26 @@ class Statements:
             f" WHERE p.{live} AND p.gid = q.gid AND p.key = q.key AND p.seq < q.seq))"))
         next_due = (f"SELECT min(due) FROM {s}.mq_queue WHERE {live} AND gid = %s"
                     " AND state <> 0")
-        # A settle names the partitions of its receipts (a leased row never moves), so
-        # the planner opens only those, and finds its rows by seq: "due - now > 0" rather
-        # than "due > now", which it would take to the waiting index (every leased row).
-        mine = "part = ANY('{{parts}}'::smallint[])"
-        held = (f"{mine} AND seq = ANY(%b::bigint[]) AND state = 1 AND due - %s > 0"
+        # A settle names the partitions of its receipts (a leased row never moves): one
+        # partition's table itself (the common case), else the parent pruned to those. It
+        # finds rows by seq: "due - now > 0" rather than "due > now", which the planner
+        # would take to the waiting index (every leased row).
+        held = ("{mine} AND seq = ANY(%b::bigint[]) AND state = 1 AND due - %s > 0"
                 " AND token = (%b::bigint[])[array_position(%b::bigint[], seq)]")
         dead = "gid, id, topic, key, priority, published_at, headers, body"
         self._hot = promote, claim.replace("{gate}", ""), ordered, next_due
         self._settle = Settle(
-            f"DELETE FROM {s}.mq_queue WHERE {held}",
-            f"UPDATE {s}.mq_queue SET state = %s, due = %s WHERE {held}",
-            f"UPDATE {s}.mq_queue SET due = %s WHERE {mine} AND seq = %s AND token = %s"
+            f"DELETE FROM {{table}} WHERE {held}",
+            f"UPDATE {{table}} SET state = %s, due = %s WHERE {held}",
+            "UPDATE {table} SET due = %s WHERE {mine} AND seq = %s AND token = %s"
             " AND state = 1 AND due - %s > 0",
-            f"WITH gone AS (DELETE FROM {s}.mq_queue WHERE {mine} AND seq = %s AND token = %s"
+            "WITH gone AS (DELETE FROM {table} WHERE {mine} AND seq = %s AND token = %s"
             f" AND state = 1 AND due - %s > 0 RETURNING {dead})"
             f" INSERT INTO {s}.mq_dead ({dead}, attempts, reason, dead_at)"
             f" SELECT {dead}, %s, %s, %s FROM gone")
         self._built: dict[tuple[int, ...], Hot] = {}
         self._settles: dict[tuple[int, ...], Settle] = {}
+        self._s = s
         self.notify = f"SELECT pg_notify('{self.channel}', %s)"
 
     def hot(self, drained: tuple[int, ...]) -> Hot:
@@ -205,6 +206,10 @@ class Statements:
         if parts not in self._settles:
             if len(self._settles) > 64:
                 self._settles.clear()
-            names = ",".join(str(int(p)) for p in parts)
-            self._settles[parts] = Settle(*(q.replace("{parts}", names) for q in self._settle))
+            table, mine = f"{self._s}.mq_queue_{int(parts[0])}", "true"
+            if len(parts) > 1:
+                table = f"{self._s}.mq_queue"
+                mine = f"part = ANY('{{{','.join(str(int(p)) for p in parts)}}}'::smallint[])"
+            self._settles[parts] = Settle(*(q.replace("{table}", table).replace("{mine}", mine)
+                                            for q in self._settle))
         return self._settles[parts]
