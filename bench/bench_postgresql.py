@@ -19,8 +19,9 @@ Every measurement uses 100-byte bodies and one group, against the same server:
 * rss: one ``Broker`` running the cycle, its process's RSS after 100,000 messages and
   after ``rss-to`` (1,000,000 for the issue's figure: about 4 minutes at 5k msg/s).
 
-Raw and mqabstract alternate within a round; the best round of each is reported with the
-mqabstract / raw ratio. No assertions: numbers, not tests.
+Raw and mqabstract alternate every 2000 messages within a round (load drifts on a shared
+machine); the best round of each is reported with the mqabstract / raw ratio. No
+assertions: numbers, not tests.
 """
 
 from __future__ import annotations
@@ -91,14 +92,28 @@ class Raw:
         return len(rows)
 
 
-def timed(n: int, step: Callable[[], int]) -> float:
+def timed(n: int, step: Callable[[], int]) -> tuple[int, float]:
+    """Messages done and seconds taken by ``step`` until ``n`` (or it got nothing)."""
     done, t0 = 0, time.perf_counter()
     while done < n:
         got = step()
         if not got:
             break
         done += got
-    return rate(done, time.perf_counter() - t0)
+    return done, time.perf_counter() - t0
+
+
+def paired(n: int, raw: Callable[[], int], ours: Callable[[], int],
+           chunk: int = 2000) -> tuple[float, float]:
+    """Raw and mqabstract rates over ``n`` messages each, alternating every ``chunk`` so
+    that load drifting on a shared machine hits both."""
+    totals = [0, 0.0, 0, 0.0]
+    for _ in range(0, n, chunk):
+        for i, step in ((0, raw), (2, ours)):
+            done, seconds = timed(chunk, step)
+            totals[i] += done
+            totals[i + 1] += seconds
+    return rate(int(totals[0]), totals[1]), rate(int(totals[2]), totals[3])
 
 
 def main() -> None:
@@ -147,12 +162,12 @@ def main() -> None:
 
     try:
         for _ in range(args.rounds):
-            keep("raw publish", timed(n, lambda: raw_publish(b)))
-            keep("mq publish", timed(n, lambda: mq_publish(b)))
-            keep("raw consume", timed(n, lambda: raw.consume(k)))
-            keep("mq consume", timed(n, mq_consume))
-            keep("raw cycle", timed(n, raw_cycle))
-            keep("mq cycle", timed(n, mq_cycle))
+            for key, pair in (("publish", (lambda: raw_publish(b), lambda: mq_publish(b))),
+                              ("consume", (lambda: raw.consume(k), mq_consume)),
+                              ("cycle", (raw_cycle, mq_cycle))):
+                raw_rate, mq_rate = paired(n, *pair, chunk=max(2000, b))
+                keep(f"raw {key}", raw_rate)
+                keep(f"mq {key}", mq_rate)
         rss: list[float] = []
         if args.rss_to:
             for upto in (100_000, args.rss_to):

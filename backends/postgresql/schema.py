@@ -113,6 +113,12 @@ def migrate(conn: psycopg.Connection[tuple[Any, ...]], schema: str, where: str) 
             conn.execute(f"INSERT INTO {schema}.mq_version VALUES (%s)", (SCHEMA_VERSION,))
 
 
+# The columns a publish writes, in the order the driver builds them, with their array type.
+_COLUMNS = ("gid int[]", "state smallint[]", "due float8[]", "priority smallint[]",
+            "key text[]", "id text[]", "topic text[]", "published_at float8[]",
+            "headers text[]", "body bytea[]")
+
+
 class Hot(NamedTuple):
     promote: str
     claim: str
@@ -134,19 +140,8 @@ class Statements:
         self.channel = f"mq_{s}"  # LISTEN/NOTIFY channel: payload = group id
         returning = ("RETURNING seq, id, topic, body, headers, key, priority, attempts,"
                      " published_at, part")
-        # Rows and NOTIFY in one statement, landing only while the groups version is the
-        # routed one. Arrays in binary (%b): ten times cheaper to adapt than as text.
-        self.publish = (
-            f"WITH ins AS (INSERT INTO {s}.mq_queue (part, gid, state, due, priority,"
-            " attempts, token, key, id, topic, published_at, headers, body)"
-            f" SELECT (SELECT part FROM {s}.mq_parts WHERE state = 1), r.gid, r.state, r.due,"
-            " r.priority, 0, 0, r.key, r.id, r.topic, r.at, r.headers, r.body FROM"
-            " unnest(%b::int[], %b::smallint[], %b::float8[], %b::smallint[], %b::text[],"
-            " %b::text[], %b::text[], %b::float8[], %b::text[], %b::bytea[]) AS r(gid, state,"
-            " due, priority, key, id, topic, at, headers, body)"
-            f" WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups') = %s RETURNING gid)"
-            f" SELECT count(*), (SELECT count(pg_notify('{self.channel}', g::text)) FROM"
-            " (SELECT DISTINCT gid FROM ins) AS d(g)) FROM ins")
+        self._s = s
+        self._publish: dict[tuple[bool, ...], str] = {}
         self.version = f"SELECT value FROM {s}.mq_meta WHERE name = 'groups'"
         self.routes = (f"SELECT m.value, g.gid, g.pattern FROM {s}.mq_meta m"
                        f" LEFT JOIN {s}.mq_groups g ON true WHERE m.name = 'groups'")
@@ -190,8 +185,29 @@ class Statements:
             f" SELECT {dead}, %s, %s, %s FROM gone")
         self._built: dict[tuple[int, ...], Hot] = {}
         self._settles: dict[tuple[int, ...], Settle] = {}
-        self._s = s
         self.notify = f"SELECT pg_notify('{self.channel}', %s)"
+
+    def publish(self, same: tuple[bool, ...]) -> str:
+        """Rows and NOTIFY in one statement, landing only while the groups version is the
+        routed one. A column whose rows all hold one value (``same``, by position in
+        ``_COLUMNS``) travels once; the others as arrays in binary (%b: ten times cheaper
+        to adapt than as text, and each array element costs the client time)."""
+        if same not in self._publish:
+            s, cols = self._s, [c.split()[0] for c in _COLUMNS]
+            picks = [f"%s::{t[:-2]}" if one else f"r.{c}"
+                     for (c, t), one in zip((c.split() for c in _COLUMNS), same, strict=True)]
+            arrays = [f"%b::{c.split()[1]}" for c, one in zip(_COLUMNS, same, strict=True)
+                      if not one]
+            names = [c for c, one in zip(cols, same, strict=True) if not one]
+            self._publish[same] = (
+                f"WITH ins AS (INSERT INTO {s}.mq_queue (part, {', '.join(cols)},"
+                " attempts, token)"
+                f" SELECT (SELECT part FROM {s}.mq_parts WHERE state = 1), {', '.join(picks)},"
+                f" 0, 0 FROM unnest({', '.join(arrays)}) AS r({', '.join(names)})"
+                f" WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups') = %s"
+                f" RETURNING gid) SELECT count(*), (SELECT count(pg_notify('{self.channel}',"
+                " g::text)) FROM (SELECT DISTINCT gid FROM ins) AS d(g)) FROM ins")
+        return self._publish[same]
 
     def hot(self, drained: tuple[int, ...]) -> Hot:
         """The receivers' statements, skipping the ``drained`` partitions (a leased row is
