@@ -128,6 +128,7 @@ class Hot(NamedTuple):
 
 class Settle(NamedTuple):
     ack: str
+    ack_one_claim: str  # every receipt from one claim: one token, not an array of them
     release: str
     extend: str
     dead_letter: str
@@ -176,6 +177,8 @@ class Statements:
         self._hot = promote, claim.replace("{gate}", ""), ordered, next_due
         self._settle = Settle(
             f"DELETE FROM {{table}} WHERE {held}",
+            "DELETE FROM {table} WHERE {mine} AND seq = ANY(%b::bigint[]) AND state = 1"
+            " AND due - %s > 0 AND token = %s",
             f"UPDATE {{table}} SET state = %s, due = %s WHERE {held}",
             "UPDATE {table} SET due = %s WHERE {mine} AND seq = %s AND token = %s"
             " AND state = 1 AND due - %s > 0",

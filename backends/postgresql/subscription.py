@@ -106,7 +106,10 @@ class PostgreSQLSubscription(DriverSubscription):
         seqs, tokens, sql = self._forget(receipts)
         now = self._d.now()
         with self._d.conn("ack") as conn:
-            conn.execute(sql.ack, (seqs, now, tokens, seqs))
+            if tokens.count(tokens[0]) == len(tokens):  # the usual: one array, not three
+                conn.execute(sql.ack_one_claim, (seqs, now, tokens[0]))
+            else:
+                conn.execute(sql.ack, (seqs, now, tokens, seqs))
             if self._ordered:  # the key's next message may go now, to any process
                 self._d.notify(conn, self._gid)
 
