@@ -15,7 +15,7 @@ __all__ = ["rotate"]
 
 FREE, CURRENT, OPEN, DRAINED = 0, 1, 2, 3  # mq_parts.state
 ROTATE_EVERY = 1.0  # seconds a partition stays current while rows arrive
-SETTLE = 2.0  # seconds a former partition waits before it is looked at (publishes in flight)
+SETTLE = 0.5  # seconds a former partition waits before it is looked at (publishes in flight)
 STRAGGLERS = 1000  # at most this many rows left: move them to the current partition
 MAX_PARTS = 64
 
