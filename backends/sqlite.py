@@ -24,7 +24,6 @@ delayed row becomes ready again. Partial indexes keep the ready set ordered by
 from __future__ import annotations
 
 import json
-import math
 import random
 import sqlite3
 import threading
@@ -49,7 +48,7 @@ from mqabstract.errors import (
     NotFound,
 )
 from mqabstract.model import Columns, DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.options import Option, parse_options
+from mqabstract.options import CLOCK, Option, parse_options
 from mqabstract.url import BrokerURL
 
 __all__ = ["SQLiteDriver"]
@@ -210,32 +209,26 @@ class SQLiteDriver(Driver):
     )
     OPTIONS: ClassVar[dict[str, Option]] = {
         "busy_timeout": Option(
-            float, 10.0, "seconds to wait for another process's write lock before Timeout"
+            float, 10.0, "seconds to wait for another process's write lock before Timeout",
+            min=0,
         ),
         "synchronous": Option(
             str, "full",
             "full (a returned publish survives power loss) or normal (process crashes only)",
+            choices=("full", "normal"),
         ),
-        "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds"),
-        "poll_max": Option(float, 0.1, "longest idle re-check interval of receive, seconds"),
-        "clock": Option(object, None, "a mqabstract.Clock (tests pass FakeClock)"),
+        "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds",
+                           min=0),
+        "poll_max": Option(float, 0.1, "longest idle re-check interval of receive, seconds",
+                           min=0),
+        "clock": CLOCK,
     }
 
     def __init__(self, url: BrokerURL, path: Path, opts: Mapping[str, Any]) -> None:
         self.url = url
         self.path = path
-        clock = opts["clock"]
-        if clock is not None and (isinstance(clock, str) or not hasattr(clock, "time")):
-            raise InvalidArgument("option clock must be a mqabstract.Clock object")
-        self.clock: Clock = clock or SystemClock()
-        sync = str(opts["synchronous"]).lower()
-        if sync not in _SYNC:
-            raise InvalidArgument(f"option synchronous must be one of {', '.join(_SYNC)}")
-        self.synchronous = _SYNC[sync]
-        for name in ("busy_timeout", "poll_min", "poll_max"):
-            value = float(opts[name])
-            if not math.isfinite(value) or value < 0:  # inf/nan would overflow or hang later
-                raise InvalidArgument(f"option {name} must be a finite number of seconds ≥ 0")
+        self.clock: Clock = opts["clock"] or SystemClock()
+        self.synchronous = _SYNC[opts["synchronous"]]
         self.busy_timeout = float(opts["busy_timeout"])
         self.poll_min = max(0.001, float(opts["poll_min"]))
         self.poll_max = max(self.poll_min, float(opts["poll_max"]))

@@ -16,7 +16,7 @@ from mqabstract import Backoff, FakeClock, Feature, OutgoingMessage, Support
 from mqabstract.backends.memory import MemoryDriver
 from mqabstract.errors import ConnectionFailed, NotSent, PublishError
 from mqabstract.model import Envelope
-from mqabstract.options import Option, parse_options
+from mqabstract.options import CLOCK, Option, parse_options
 from mqabstract.url import BrokerURL
 
 
@@ -527,6 +527,34 @@ def test_options_parsing() -> None:
     with pytest.raises(mqabstract.InvalidArgument) as info2:
         parse_options(BrokerURL.parse("x://h"), {"password": 5}, spec, "x")
     assert "5" not in str(info2.value).replace("x://", "")
+
+
+def test_option_specs_refuse_out_of_range_values_before_anything_connects() -> None:
+    spec = {
+        "wait": Option(float, 1.0, "seconds", above=0, max=60),
+        "count": Option(int, 4, "how many", min=1),
+        "mode": Option(str, "full", "full or normal", choices=("full", "normal")),
+        "clock": CLOCK,
+    }
+    url = BrokerURL.parse("x://h")
+    fake = FakeClock()
+    got = parse_options(url, {"wait": "60", "count": 1, "mode": " NORMAL ", "clock": fake},
+                        spec, "x")
+    assert got == {"wait": 60.0, "count": 1, "mode": "normal", "clock": fake}
+    bad = [({"wait": 0}, r"wait=0.0 must be > 0 and ≤ 60 \(seconds\)"),
+           ({"wait": "nan"}, "must be a finite number"), ({"wait": "inf"}, "finite"),
+           ({"count": 0}, "count=0 must be ≥ 1"), ({"mode": "fast"}, "one of full, normal"),
+           ({"clock": "system"}, "clock='system' is not a valid Clock"),
+           ({"clock": object()}, "not a valid Clock")]
+    for given, message in bad:
+        with pytest.raises(mqabstract.InvalidArgument, match=message):
+            parse_options(url, given, spec, "x")
+    # Every driver's numeric options go through the same check: a typo'd value is refused
+    # before a connection is tried (memory and SQLite need no broker).
+    with pytest.raises(mqabstract.InvalidArgument, match="poll_max=-1.0 must be ≥ 0"):
+        mqabstract.connect("sqlite:///:memory:?poll_max=-1")
+    with pytest.raises(mqabstract.InvalidArgument, match="not a valid Clock"):
+        mqabstract.connect("memory://opts", clock="now")
 
 
 def test_connect_uses_mq_url_then_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
