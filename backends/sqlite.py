@@ -40,6 +40,7 @@ from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.emulation.routes import Routes
 from mqabstract.emulation.sqlitedb import immediate, open_wal, retry_busy
+from mqabstract.emulation.wakeup import Waker
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
@@ -135,40 +136,16 @@ _DEAD_COLUMNS = "gid, id, topic, key, priority, published_at, headers, body"
 _SYNC = {"normal": "NORMAL", "full": "FULL", "extra": "EXTRA"}
 
 
-class _Shared:
-    """Per-file, per-process wake-up: writers bump generation counters and notify waiters.
-
-    ``gen`` wakes everyone (close, clock advance); ``groups[gid]`` only that group's
-    receivers, so a publish to one group does not make idle consumers of others re-query.
-    """
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
-        self.gen = 0
-        self.groups: dict[int, int] = {}
-
-    def stamp(self, gid: int) -> tuple[int, int]:
-        return self.gen, self.groups.get(gid, 0)
-
-    def wake(self, gids: Collection[int] | None = None) -> None:
-        with self.cond:
-            if gids is None:
-                self.gen += 1
-            else:
-                for gid in gids:
-                    self.groups[gid] = self.groups.get(gid, 0) + 1
-            self.cond.notify_all()
-
-
-_shared: dict[str, _Shared] = {}
+#: per file, per process: writers of every driver on the file wake each other's receivers
+_shared: dict[str, Waker] = {}
 _shared_lock = threading.Lock()
 
 
-def _shared_for(path: str) -> _Shared:
+def _shared_for(path: str) -> Waker:
     with _shared_lock:
         state = _shared.get(path)
         if state is None:
-            state = _shared[path] = _Shared()
+            state = _shared[path] = Waker()
         return state
 
 
@@ -215,7 +192,7 @@ class SQLiteDriver(Driver):
         "synchronous": Option(
             str, "full",
             "full (a returned publish survives power loss) or normal (process crashes only)",
-            choices=("full", "normal"),
+            choices=tuple(_SYNC),
         ),
         "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds",
                            min=0),
@@ -612,11 +589,7 @@ class SQLiteSubscription(DriverSubscription):
             wait = min(interval, remaining)
             if self._next_due is not None and isinstance(d.clock, SystemClock):
                 wait = min(wait, max(0.0, self._next_due - d.now()) + 0.001)
-            shared = d._shared
-            with shared.cond:
-                if shared.stamp(self._gid) == self._seen:
-                    shared.cond.wait(wait)
-                woken = shared.stamp(self._gid) != self._seen
+            woken = d._shared.wait(self._gid, self._seen, wait)
             if self._closed or d._closed:
                 return []
             interval = d.poll_min if woken else min(interval * 2, d.poll_max)

@@ -551,7 +551,7 @@ def test_option_specs_refuse_out_of_range_values_before_anything_connects() -> N
             parse_options(url, given, spec, "x")
     # Every driver's numeric options go through the same check: a typo'd value is refused
     # before a connection is tried (memory and SQLite need no broker).
-    with pytest.raises(mqabstract.InvalidArgument, match="poll_max=-1.0 must be ≥ 0"):
+    with pytest.raises(mqabstract.InvalidArgument, match=r"poll_max=-1\.0 must be ≥ 0"):
         mqabstract.connect("sqlite:///:memory:?poll_max=-1")
     with pytest.raises(mqabstract.InvalidArgument, match="not a valid Clock"):
         mqabstract.connect("memory://opts", clock="now")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -16,39 +16,15 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from mqabstract.clock import Clock
+from mqabstract.emulation.wakeup import Waker
 from mqabstract.errors import Closed, ConnectionFailed, InvalidURL, MQError, Timeout
 from mqabstract.url import BrokerURL
 
 from .schema import Statements
 
-__all__ = ["Conn", "Listener", "Store", "Waker"]
+__all__ = ["Conn", "Listener", "Store"]
 
 Conn = psycopg.Connection[tuple[Any, ...]]
-
-
-class Waker:
-    """Counters under one condition: ``gen`` wakes every receiver, ``groups[gid]`` one group's."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
-        self.gen = 0
-        self.groups: dict[int, int] = {}
-
-    def stamp(self, gid: int) -> tuple[int, int]:
-        return self.gen, self.groups.get(gid, 0)
-
-    def wake(self, gids: Collection[int] | None = None) -> None:
-        with self.cond:
-            if gids is None:
-                self.gen += 1
-            for gid in gids or ():
-                self.groups[gid] = self.groups.get(gid, 0) + 1
-            self.cond.notify_all()
-
-    def wait(self, gid: int, seen: tuple[int, int], seconds: float) -> None:
-        """Return after ``seconds``, or earlier when ``gid``'s stamp moved past ``seen``."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.stamp(gid) != seen, seconds)
 
 
 class Listener:
