@@ -78,6 +78,38 @@ def test_messages_returned_after_their_lease_ended_are_not_handed_out(
     m.ack()
 
 
+def test_a_late_receive_tells_middleware_its_messages_expired(clock: FakeClock) -> None:
+    """A batch a driver call returned after its lease ended is handed to nobody, yet each
+    of its messages was a counted delivery: middleware hears of them as ``expired`` (what
+    telemetry counts and the reliability suite records as deliveries nobody saw)."""
+    heard: list[tuple[str, str, int]] = []
+
+    class Listen(mqabstract.Middleware):
+        def settled(self, sub: object, op: str, messages: Any, started_ns: int,
+                    error: object) -> None:
+            heard.extend((op, m.id, m.attempt) for m in messages)
+
+    with mqabstract.connect(f"memory://late-{uuid.uuid4().hex}", clock=clock,
+                            middleware=[Listen()]) as mq:
+        sub = mq.subscribe("g", "a.#", lease=30)
+        mid = mq.publish("a.b", b"x")
+        inner = sub._inner  # type: ignore[attr-defined]
+        real_receive = inner.receive
+
+        def slow_receive(n: int, wait: float) -> list[object]:
+            got = real_receive(n, wait)
+            clock.advance(31)  # the driver call outlasted the lease
+            return got
+
+        inner.receive = slow_receive
+        assert sub.receive(1, 0) == []
+        assert heard == [("expired", mid, 1)]
+        inner.receive = real_receive
+        [msg] = sub.receive(1, 0)
+        assert msg.attempt == 2  # the unseen delivery counted
+        msg.ack()
+
+
 @pytest.mark.parametrize("what", ["exhausted", "ttl-ended"])
 def test_a_late_receive_settles_nothing(mq: mqabstract.Broker, clock: FakeClock,
                                         what: str) -> None:

@@ -2,7 +2,8 @@
 
     worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH [WORK]]
         print ``READY pid t``, then receive up to BATCH (default 5) at a time, printing
-        ``CALL start returned n`` per receive call; per message
+        ``CALLING start`` before and ``CALL start returned n`` after each receive call (a
+        ``CALLING`` without its ``CALL``: a kill cut that call short); per message
         print ``RECV id attempt digest origin deadline returned``, "process" it (sleep up to
         WORK seconds, default 0.02), then ``ACKING id t``,
         ack, ``ACKED id t``. KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth
@@ -30,6 +31,9 @@
         publish COUNT messages with ids PREFIX-n, mixing single publishes and batches;
         ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
 
+Every mode that receives prints ``LATE id attempt t`` for each message of a receive call
+that returned after its lease had ended (handed to nobody, counted by the broker).
+
 Every line is flushed before the next step, so a parent that SIGKILLs this process knows
 what had happened up to that point. Times are time.monotonic() readings (one clock for all
 processes on Linux): a RECV's ``origin`` is the start of the receive call that returned the
@@ -45,6 +49,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 import mqabstract
 from tests.reliability.support import body_for, digest
@@ -64,9 +69,31 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: (id, attempt) of every message a receive handed to this process's code
+handed: set[tuple[str, int]] = set()
+
+
+class LateDeliveries(mqabstract.Middleware):
+    """Prints ``LATE id attempt t`` for each message of a receive call that returned after
+    its lease ended: the portable layer hands those to nobody (its ``expired`` settle), yet
+    the broker counted each as a delivery, so the history must know of it."""
+
+    def settled(self, sub: object, op: str, messages: Sequence[mqabstract.Message],
+                started_ns: int, error: object) -> None:
+        if op == "expired":
+            for msg in messages:
+                if (msg.id, msg.attempt) not in handed:
+                    out("LATE", msg.id, msg.attempt, now())
+
+
+def connect(url: str) -> mqabstract.Broker:
+    return mqabstract.connect(url, middleware=[LateDeliveries()])
+
+
 def recv_line(msg: mqabstract.Message, lease: float, returned: float) -> None:
     """``RECV id attempt digest origin deadline returned``: the deadline is fixed at receive
     (now + what is left of the lease), even if this process is frozen before printing."""
+    handed.add((msg.id, msg.attempt))
     deadline = time.monotonic() + msg.lease_remaining
     out("RECV", msg.id, msg.attempt, digest(msg.body), repr(deadline - lease), repr(deadline),
         repr(returned))
@@ -77,13 +104,14 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
     rng = random.Random(seed)
     phase, _, nth = kill.partition(":")
     kill_at = int(nth) if nth else -1
-    mq = mqabstract.connect(url)
+    mq = connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=max_attempts)
     out("READY", os.getpid(), now())
     seen = 0
     last = time.monotonic()
     while True:
         called = time.monotonic()
+        out("CALLING", repr(called))
         msgs = sub.receive(max_messages=batch, wait=0.5)
         returned = time.monotonic()
         out("CALL", repr(called), repr(returned), len(msgs))
@@ -123,7 +151,7 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
     kill_at = int(nth) if nth else -1
     handled = 0
     store = SQLiteStore(store_path)
-    mq = mqabstract.connect(url)
+    mq = connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
     out("READY", os.getpid(), now())
 
@@ -150,7 +178,7 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
 
 
 def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
-    with mqabstract.connect(url) as mq:
+    with connect(url) as mq:
         sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
         out("READY", os.getpid(), now())
         while True:
@@ -179,7 +207,7 @@ def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
 
 def publish(url: str, topic: str, count: int, prefix: str, seed: int) -> None:
     rng = random.Random(seed)
-    with mqabstract.connect(url) as mq:
+    with connect(url) as mq:
         out("READY", os.getpid(), now())
         n = 0
         while n < count:
