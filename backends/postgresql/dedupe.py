@@ -113,6 +113,10 @@ class PostgresStore(DedupeStore):
 
     def _setup(self, conn: Conn) -> None:
         s = self.schema
+        found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{s}.mq_processed_seq",)
+                             ).fetchone()
+        if found is not None and found[0]:  # (DDL would wait for open transactions)
+            return
         conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1837))",
                      (f"mqabstract:{s}",))
         conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")

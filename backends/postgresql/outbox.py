@@ -92,6 +92,12 @@ def setup(conn: psycopg.Connection[Any], schema: str) -> None:
     processes doing it at once wait for each other."""
     s = check_schema(schema)
     with _errors("outbox setup", _where(conn)), conn.transaction():
+        # Asked first: CREATE INDEX IF NOT EXISTS would wait for every open transaction
+        # that wrote an outbox row (a relay starting beside a long one would hang).
+        found = conn.execute("SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT"
+                             " NULL", (f"{s}.mq_outbox", f"{s}.mq_outbox_todo")).fetchone()
+        if found is not None and found[0]:
+            return
         conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1837))",
                      (f"mqabstract:{s}",))
         conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
