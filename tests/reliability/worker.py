@@ -132,8 +132,8 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
     if store_path.startswith("postgresql://"):  # PostgresStore: effects in table <schema>.effects
         from mqabstract.dedupe import PostgresStore
 
-        url, _, schema = store_path.partition("#")
-        store = PostgresStore(url, schema=schema)
+        where, _, schema = store_path.partition("#")
+        store = PostgresStore(where, schema=schema)
         insert = f"INSERT INTO {schema}.effects VALUES (%s, %s, %s)"
     else:
         store = SQLiteStore(store_path)
