@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -191,7 +192,7 @@ class PGOutbox(Source):
         self._lease_ms = max(1000, int(lease * 1000))
         self._clock = clock or SystemClock()
         self._conn: psycopg.Connection[Any] | None = None
-        self._next = 0
+        self._next = random.randrange(PARTS)  # relays start apart, then go round
         self._seqs: list[int] = []
         self._marks: dict[int, str] = {}
         with self._errors("open"):
