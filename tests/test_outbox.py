@@ -8,6 +8,7 @@ import dataclasses
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -253,3 +254,43 @@ def test_cli_relay(app: tuple[sqlite3.Connection, Path], tmp_path: Path,
         assert mq.stats("g").ready == 2
     assert main(["relay", "--from", "mysql://x/y", "--to", target]) == 2
     assert main(["relay", "--to", target]) == 64
+
+
+def test_a_failing_target_keeps_the_rows_and_the_relay_backs_off_on_its_clock(
+        app: tuple[sqlite3.Connection, Path]) -> None:
+    conn, path = app
+    with conn:
+        outbox.publish(conn, "a.b", b"x", id="kept")
+    clock = FakeClock()
+    mq = mqabstract.connect("memory://down")
+    mq.close()  # every publish now raises Closed
+    errors: list[mqabstract.MQError] = []
+    stop = threading.Event()
+    relay = outbox.Relay(f"sqlite:///{path}", mq, poll_interval=1.0, clock=clock)
+    thread = threading.Thread(target=relay.run, args=(stop,),
+                              kwargs={"on_error": errors.append})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert len(errors) == 1  # waiting 1 s of the fake clock before trying again
+        clock.advance(1.0)
+        deadline = time.monotonic() + 5
+        while len(errors) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(errors) == 2 and isinstance(errors[0], mqabstract.Closed)
+    finally:
+        stop.set()
+        thread.join(5)
+        relay.close()
+    assert relay.stats.failures == 2 and relay.stats.moved == 0
+    assert _rows(conn) == [("kept", None)]
+
+
+def test_source_url_errors() -> None:
+    with pytest.raises(InvalidArgument, match="sqlite:// or postgresql://"):
+        outbox.Relay("mysql://db/app", "memory://x")
+    with pytest.raises(InvalidArgument, match="unknown outbox URL options"):
+        outbox.Relay("sqlite:///x.db?foo=1", "memory://x")
