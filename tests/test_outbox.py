@@ -207,6 +207,10 @@ def test_two_relays_one_holds_the_outbox(app: tuple[sqlite3.Connection, Path]) -
         clock.advance(11)  # one is gone (killed): its lease ends, two takes over
         assert [m.body for m in two.claim(10, 0)] == [b"2", b"3"]
         assert one.claim(10, 0) == []
+        two.close()  # stopped before confirming: the rows stay, the outbox is free at once
+        assert [m.body for m in one.claim(10, 0)] == [b"2", b"3"]
+        held = sqlite3.connect(path).execute("SELECT holder FROM mq_outbox_relay").fetchall()
+        assert held == [(one._me,)]
     finally:
         one.close()
         two.close()

@@ -169,6 +169,11 @@ class SQLiteOutbox(Source):
         self._seqs, self._marks = [], {}
 
     def close(self) -> None:
+        """Give the outbox up (a standby relay takes over at once, not after the lease)."""
         self.release()
+        with contextlib.suppress(sqlite3.Error, MQError):
+            retry_busy(lambda: self._conn.execute(
+                f"DELETE FROM {self._p}_outbox_relay WHERE name = ? AND holder = ?",
+                ("relay", self._me)), timeout=min(self._busy, 5.0), what="outbox close")
         with contextlib.suppress(sqlite3.Error):
             self._conn.close()
