@@ -298,3 +298,21 @@ def test_source_url_errors() -> None:
         outbox.Relay("mysql://db/app", "memory://x")
     with pytest.raises(InvalidArgument, match="unknown outbox URL options"):
         outbox.Relay("sqlite:///x.db?foo=1", "memory://x")
+
+
+def test_bridge_dead_letters_in_the_source_what_the_target_refuses(tmp_path: Path) -> None:
+    src = f"sqlite:///{tmp_path / 'src.db'}"
+    with mqabstract.connect(src) as mq, mqabstract.connect("memory://bridge-refuse") as dst:
+        dst._packer = type(dst._packer)(dataclasses.replace(dst.capabilities,
+                                                            max_body_bytes=10), "memory")
+        mq.declare("bridge", "#")
+        mq.publish_batch([OutgoingMessage("a.b", b"ok", id="fits"),
+                          OutgoingMessage("a.b", b"x" * 100, id="too-big")])
+        sub = dst.subscribe("g", "#")
+        with outbox.Relay(f"{src}?group=bridge", dst) as relay:
+            while relay.step(0.2):
+                pass
+            assert (relay.stats.moved, relay.stats.rejected) == (1, 1)
+        assert [m.id for m in sub.receive(10, 0.2)] == ["fits"]
+        [dead] = mq.dead_letters("bridge")
+        assert dead.id == "too-big" and "MessageTooLarge" in dead.reason

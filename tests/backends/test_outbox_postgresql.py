@@ -341,3 +341,17 @@ def test_postgres_store_in_consume_with_an_application_connection(
         assert "mqsecret" not in repr(store)
     app.close()
     assert [r[0] for r in db.execute(f"SELECT id FROM {schema}.orders")] == [1]
+
+
+def test_cli_relay_from_postgresql(db: Conn, schema: str, source: str, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from mqabstract.cli import main
+
+    with db.transaction():
+        outbox.publish_batch(db, [("a.b", b"1"), ("a.b", b"2")], schema=schema)
+    target = f"sqlite:///{tmp_path / 'b.db'}"
+    with mqabstract.connect(target) as mq:
+        mq.declare("g", "a.#")
+    assert main(["relay", "--from", source, "--to", target, "--idle", "0.3"]) == 0
+    assert '"moved": 2' in capsys.readouterr().out
+    assert _outbox(db, schema) == []
