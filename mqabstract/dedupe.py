@@ -9,7 +9,9 @@ the store records the id, then the message is acked.
 
 A crash between the handler's side effect and the store's record still repeats the side
 effect. ``SQLiteStore.transaction`` closes that window for side effects that live in the
-same SQLite file: they commit in one transaction with the id, or not at all.
+same SQLite file: they commit in one transaction with the id, or not at all;
+``PostgresStore.transaction`` (``mqabstract.backends.postgresql.dedupe``, importable from
+here when psycopg is installed) does the same in the application's PostgreSQL database.
 
 Ids are kept per group for ``retention`` seconds and at most ``max_entries`` of them:
 the oldest go first. A duplicate that comes after its id was forgotten is processed again,
@@ -35,7 +37,7 @@ from .errors import Duplicate, InvalidArgument, StoreError
 if TYPE_CHECKING:
     from .message import Message
 
-__all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]
+__all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]  # and PostgresStore (__getattr__)
 
 T = TypeVar("T")
 _S = TypeVar("_S", bound="DedupeStore")
@@ -323,3 +325,19 @@ class SQLiteStore(DedupeStore):
     def __repr__(self) -> str:
         return (f"SQLiteStore({str(self.path)!r}, retention={self.retention:g}, "
                 f"max_entries={self.max_entries})")
+
+
+def __getattr__(name: str) -> object:
+    """``PostgresStore`` from here, imported when first asked for (it needs psycopg)."""
+    if name == "PostgresStore":
+        import importlib
+
+        try:
+            module = importlib.import_module("mqabstract.backends.postgresql.dedupe")
+        except ImportError as exc:
+            from .errors import MissingDependency
+
+            raise MissingDependency("PostgresStore needs mqabstract[postgresql] "
+                                    "(psycopg 3)") from exc
+        return module.PostgresStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

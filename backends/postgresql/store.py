@@ -22,9 +22,38 @@ from mqabstract.url import BrokerURL
 
 from .schema import Statements
 
-__all__ = ["Conn", "Listener", "Store"]
+__all__ = ["Conn", "Listener", "Store", "translate"]
 
 Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+@contextlib.contextmanager
+def translate(what: str, where: str, password: str | None = None,
+              connect_timeout: float | None = None, kind: str = "broker") -> Iterator[None]:
+    """psycopg's (and its pool's) exceptions become ``mqabstract.errors`` naming ``where``
+    (a redacted URL or a description), never ``password``: connection problems
+    ``ConnectionFailed``, statement and lock timeouts ``Timeout``, any other server error
+    a plain ``MQError``; the native exception is chained (``kind`` names what a closed
+    pool belonged to). Shared by the driver, the outbox and the dedupe store."""
+    try:
+        yield
+    except MQError:
+        raise
+    except PoolClosed as exc:
+        raise Closed(f"postgresql {kind} {where} is closed") from exc
+    except Exception as exc:
+        text = str(exc).strip().replace(password or "\0", "***")
+        head = f"postgresql {what} on {where}"
+        if isinstance(exc, PoolTimeout):
+            within = "" if connect_timeout is None else f" within {connect_timeout:g}s"
+            raise ConnectionFailed(f"{head}: no connection{within}: {text}") from exc
+        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
+            raise Timeout(f"{head}: {text}") from exc
+        if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+            raise ConnectionFailed(f"{head} failed: {text}") from exc
+        if isinstance(exc, psycopg.Error):
+            raise MQError(f"{head} failed: {type(exc).__name__}: {text}") from exc
+        raise
 
 
 class Listener:
@@ -111,28 +140,9 @@ class Store:
         """A new connection outside the pool (migration, the LISTEN connection)."""
         return psycopg.connect(self._conninfo, **self._kwargs)
 
-    @contextlib.contextmanager
-    def translate(self, what: str) -> Iterator[None]:
+    def translate(self, what: str) -> contextlib.AbstractContextManager[None]:
         """psycopg's exceptions become ``mqabstract.errors`` naming the redacted URL."""
-        try:
-            yield
-        except MQError:
-            raise
-        except PoolClosed as exc:
-            raise Closed(f"postgresql broker {self.where} is closed") from exc
-        except Exception as exc:
-            text = str(exc).strip().replace(self._password or "\0", "***")
-            head = f"postgresql {what} on {self.where}"
-            if isinstance(exc, PoolTimeout):
-                raise ConnectionFailed(f"{head}: no connection within "
-                                       f"{self.connect_timeout:g}s: {text}") from exc
-            if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
-                raise Timeout(f"{head}: {text}") from exc
-            if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
-                raise ConnectionFailed(f"{head} failed: {text}") from exc
-            if isinstance(exc, psycopg.Error):
-                raise MQError(f"{head} failed: {type(exc).__name__}: {text}") from exc
-            raise
+        return translate(what, self.where, self._password, self.connect_timeout)
 
     @contextlib.contextmanager
     def conn(self, what: str) -> Iterator[Conn]:

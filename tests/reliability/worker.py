@@ -18,8 +18,9 @@
         parent freezes this process meanwhile) and try to ack each message, printing
         ``ACKING id t`` and ``ACKED id t`` or ``EXPIRED id t``.
     worker.py dedupe URL GROUP PATTERN LEASE STORE KILL IDLE
-        ``consume`` with ``dedupe=SQLiteStore(STORE)``; the handler inserts a row into the
-        store file's ``effects`` table inside ``store.transaction`` (its side effect, once
+        ``consume`` with ``dedupe=SQLiteStore(STORE)`` (or, STORE ``postgresql://…#SCHEMA``,
+        ``PostgresStore`` with effects in ``SCHEMA.effects``); the handler inserts a row into
+        the store's ``effects`` table inside ``store.transaction`` (its side effect, once
         per id or never). KILL is ``none``, ``inside:N`` (SIGKILL inside the Nth handler's
         transaction: rolled back) or ``after:N`` (SIGKILL right after the Nth handler's
         transaction committed, printing ``KILLED id``: between its success and the ack).
@@ -27,6 +28,11 @@
         handler started, by which its receive call had returned).
         Prints ``STATS received acked duplicates`` when it exits after IDLE seconds
         without messages.
+    worker.py relay SOURCE TARGET BATCH LEASE KILL
+        ``outbox.Relay(SOURCE, TARGET)`` until SIGTERM; KILL is ``none`` or ``confirm:N``:
+        SIGKILL itself on the Nth claim after the target confirmed it, before the source
+        settles it (printing ``KILLED n``): those messages are published again by the next
+        relay, with their ids.
     worker.py publish URL TOPIC COUNT PREFIX SEED
         publish COUNT messages with ids PREFIX-n, mixing single publishes and batches;
         ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
@@ -145,12 +151,21 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
 
 def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, kill: str,
            idle: float) -> None:
-    from mqabstract.dedupe import SQLiteStore
+    from mqabstract.dedupe import DedupeStore, SQLiteStore
 
     phase, _, nth = kill.partition(":")
     kill_at = int(nth) if nth else -1
     handled = 0
-    store = SQLiteStore(store_path)
+    store: DedupeStore
+    if store_path.startswith("postgresql://"):  # PostgresStore: effects in table <schema>.effects
+        from mqabstract.dedupe import PostgresStore
+
+        where, _, schema = store_path.partition("#")
+        store = PostgresStore(where, schema=schema)
+        insert = f"INSERT INTO {schema}.effects VALUES (%s, %s, %s)"
+    else:
+        store = SQLiteStore(store_path)
+        insert = "INSERT INTO effects VALUES (?, ?, ?)"
     mq = connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
     out("READY", os.getpid(), now())
@@ -163,8 +178,8 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
         # before its block; the kill then lands on the next one that is processed. With
         # "==" both planned kills of a run were skipped once, under load, when lapsed leases
         # made duplicates common.)
-        with store.transaction(msg) as db:
-            db.execute("INSERT INTO effects VALUES (?, ?, ?)", (msg.id, msg.attempt, os.getpid()))
+        with store.transaction(msg) as db:  # type: ignore[attr-defined]
+            db.execute(insert, (msg.id, msg.attempt, os.getpid()))
             if phase == "inside" and handled >= kill_at:
                 die()  # before the commit: neither the effect nor the id stays
         if phase == "after" and handled >= kill_at:
@@ -175,6 +190,33 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
     out("STATS", stats.received, stats.acked, stats.duplicates)
     mq.close()
     store.close()
+
+
+def relay(source: str, target: str, batch: int, lease: float, kill: str) -> None:
+    import threading
+
+    from mqabstract import outbox
+
+    _, _, nth = kill.partition(":")
+    kill_at = int(nth) if nth else -1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with outbox.Relay(source, target, batch=batch, lease=lease, poll_interval=0.05) as r:
+        confirm = r.source.confirm
+        claims = 0
+
+        def confirm_or_die() -> None:
+            nonlocal claims
+            claims += 1
+            if claims == kill_at:
+                out("KILLED", claims)
+                die()  # the target has the claim's messages; the source still has them too
+            confirm()
+
+        r.source.confirm = confirm_or_die  # type: ignore[method-assign]
+        out("READY", os.getpid(), now())
+        r.run(stop)
+    out("DONE", now())
 
 
 def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
@@ -235,6 +277,8 @@ if __name__ == "__main__":
         hold(args[0], args[1], args[2], float(args[3]), int(args[4]))
     elif mode == "dedupe":
         dedupe(args[0], args[1], args[2], float(args[3]), args[4], args[5], float(args[6]))
+    elif mode == "relay":
+        relay(args[0], args[1], int(args[2]), float(args[3]), args[4])
     elif mode == "publish":
         publish(args[0], args[1], int(args[2]), args[3], int(args[4]))
     else:
