@@ -56,7 +56,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 #: no two running scenarios ever share a broker. The longest groups come first (a lane
 #: that finishes takes the next group).
 _OWN_BROKERS = {"test_kafka_cluster.py": "kafka-cluster",
-                "test_container_faults.py": "container-"}
+                "test_container_faults.py": "container-",
+                # the relays and the dedupe store load the shared PostgreSQL
+                "test_outbox_faults.py": "postgresql"}
 _LONGEST_FIRST = ("kafka", "kafka-cluster", "sqs", "rabbitmq", "embedded",
                   "container-kafka", "container-rabbitmq")
 
