@@ -144,6 +144,23 @@ _RECORD = "INSERT OR REPLACE INTO mq_processed (grp, id, at) VALUES (?, ?, ?)"
 PRUNE_EVERY = 1000
 
 
+class PruneCounter:
+    """Counts records across threads; ``due()`` is true once every ``PRUNE_EVERY`` calls,
+    when a durable store deletes its expired and surplus ids (SQLite, PostgreSQL)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0
+
+    def due(self) -> bool:
+        with self._lock:
+            self._since += 1
+            if self._since < PRUNE_EVERY:
+                return False
+            self._since = 0
+            return True
+
+
 class SQLiteStore(DedupeStore):
     """Ids in a SQLite file: survives restarts, shared by every process on one machine.
 
@@ -172,7 +189,7 @@ class SQLiteStore(DedupeStore):
         self._conns: dict[threading.Thread, tuple[sqlite3.Connection, threading.RLock]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._since_prune = 0
+        self._prunes = PruneCounter()
         self._pid = os.getpid()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -288,12 +305,8 @@ class SQLiteStore(DedupeStore):
         self._maybe_prune(now)
 
     def _maybe_prune(self, now: float) -> None:
-        with self._lock:
-            self._since_prune += 1
-            if self._since_prune < PRUNE_EVERY:
-                return
-            self._since_prune = 0
-        self.prune(now)
+        if self._prunes.due():
+            self.prune(now)
 
     def prune(self, now: float | None = None) -> int:
         """Forget expired ids and the oldest beyond ``max_entries``; returns how many."""

@@ -20,7 +20,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from mqabstract.clock import Clock, SystemClock
-from mqabstract.dedupe import DEFAULT_RETENTION, PRUNE_EVERY, DedupeStore, _check, _key
+from mqabstract.dedupe import DEFAULT_RETENTION, DedupeStore, PruneCounter, _check, _key
 from mqabstract.errors import Closed, Duplicate, InvalidArgument
 from mqabstract.url import BrokerURL
 
@@ -56,7 +56,7 @@ class PostgresStore(DedupeStore):
         self._one: Conn | None = None
         self._own = False
         self._lock = threading.RLock()
-        self._since_prune = 0
+        self._prunes = PruneCounter()
         if isinstance(target, str):
             url = BrokerURL.parse(target)
             if url.scheme not in ("postgresql", "postgres") or not url.hosts or not url.path:
@@ -172,12 +172,8 @@ class PostgresStore(DedupeStore):
         self._maybe_prune(now)
 
     def _maybe_prune(self, now: float) -> None:
-        with self._lock:
-            self._since_prune += 1
-            if self._since_prune < PRUNE_EVERY:
-                return
-            self._since_prune = 0
-        self.prune(now)
+        if self._prunes.due():
+            self.prune(now)
 
     def prune(self, now: float | None = None) -> int:
         """Forget expired ids and the oldest beyond ``max_entries``; returns how many."""
