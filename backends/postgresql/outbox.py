@@ -42,10 +42,9 @@ from mqabstract.names import topic_matcher
 from mqabstract.outbox.rows import (
     PARTS,
     Row,
-    decode_headers,
+    claimed,
     encode_headers,
     key_lock,
-    outgoing,
     part,
 )
 from mqabstract.outbox.source import Source
@@ -236,17 +235,7 @@ class PGOutbox(Source):
         return []
 
     def _take(self, rows: list[tuple[Any, ...]]) -> list[OutgoingMessage]:
-        now = self._clock.time()
-        out: list[OutgoingMessage] = []
-        self._seqs, self._marks = [], {}
-        for seq, mid, topic, key, prio, due, exp, at, headers, body in rows:
-            row = Row(mid, topic, bytes(body), decode_headers(headers), key, prio, due, exp, at)
-            msg = outgoing(row, now)
-            if msg is None:
-                self._marks[seq] = "expired"  # its TTL ended in the outbox
-                continue
-            self._seqs.append(seq)
-            out.append(msg)
+        out, self._seqs, self._marks = claimed(rows, self._clock.time())
         return out
 
     def reject(self, index: int, reason: str) -> None:

@@ -102,3 +102,22 @@ def outgoing(row: Row, now: float) -> OutgoingMessage | None:
         if row.deliver_at is not None and row.deliver_at > now else None
     return OutgoingMessage(row.topic, row.body, headers=dict(row.headers) or None, key=row.key,
                            priority=row.priority or None, deliver_at=due, id=row.id, ttl=ttl)
+
+
+def claimed(rows: Iterable[tuple[Any, ...]], now: float
+         ) -> tuple[list[OutgoingMessage], list[int], dict[int, str]]:
+    """A claim's rows (``seq`` then the outbox columns: id, topic, key, priority, due,
+    expires, at, headers, body) as what the relay publishes at ``now``, their seqs, and
+    the seqs to mark ``expired`` (their TTL ended in the outbox). Both outboxes use it."""
+    out: list[OutgoingMessage] = []
+    seqs: list[int] = []
+    marks: dict[int, str] = {}
+    for seq, mid, topic, key, prio, due, exp, at, headers, body in rows:
+        msg = outgoing(Row(mid, topic, bytes(body), decode_headers(headers), key, prio, due,
+                           exp, at), now)
+        if msg is None:
+            marks[int(seq)] = "expired"
+        else:
+            seqs.append(int(seq))
+            out.append(msg)
+    return out, seqs, marks

@@ -24,7 +24,7 @@ from ..clock import Clock, SystemClock
 from ..emulation.sqlitedb import immediate, is_busy, open_wal, retry_busy
 from ..errors import InvalidArgument, MQError, NotFound, Timeout
 from ..model import OutgoingMessage
-from .rows import Row, decode_headers, encode_headers, outgoing
+from .rows import Row, claimed, encode_headers
 from .source import Source
 
 __all__ = ["SQLiteOutbox", "insert", "setup"]
@@ -134,16 +134,7 @@ class SQLiteOutbox(Source):
 
         with _errors("claim"):
             retry_busy(take, timeout=self._busy, what=f"outbox {self.where}: claim")
-        out: list[OutgoingMessage] = []
-        self._seqs, self._marks = [], {}
-        for seq, mid, topic, key, prio, due, exp, at, headers, body in rows:
-            row = Row(mid, topic, bytes(body), decode_headers(headers), key, prio, due, exp, at)
-            msg = outgoing(row, now)
-            if msg is None:
-                self._marks[seq] = "expired"  # its TTL ended in the outbox
-                continue
-            self._seqs.append(int(seq))
-            out.append(msg)
+        out, self._seqs, self._marks = claimed(rows, now)
         if not out and self._marks:
             self.confirm()
         return out
