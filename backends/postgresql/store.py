@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +24,7 @@ from mqabstract.url import BrokerURL
 
 from .schema import Statements
 
-__all__ = ["Conn", "Listener", "Store", "translate"]
+__all__ = ["Conn", "Listener", "Store", "Watchdog", "translate"]
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -92,6 +94,70 @@ class Listener:
         self._thread.join(2.0)
 
 
+class Watchdog:
+    """A time limit on calls: psycopg sets none on a statement, and a frozen server (a paused
+    container, a VM stall, a black hole on the path) answers nothing, not even a cancel
+    request. A connection in use longer than ``limit`` has its socket shut down, so the call
+    blocked on it fails at once (``ConnectionFailed``) and the pool drops the connection."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._cond = threading.Condition(threading.Lock())
+        self._watched: dict[int, tuple[float, Conn, list[bool]]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    @contextlib.contextmanager
+    def watch(self, conn: Conn, what: str) -> Iterator[None]:
+        cut: list[bool] = []
+        with self._cond:
+            self._watched[id(conn)] = (time.monotonic() + self.limit, conn, cut)
+            if self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._run, name="mq-watchdog",
+                                                daemon=True)
+                self._thread.start()
+        try:
+            yield
+        except psycopg.Error as exc:
+            if cut:
+                raise ConnectionFailed(f"{what}: the server did not answer within "
+                                       f"{self.limit:g}s") from exc
+            raise
+        finally:
+            with self._cond:
+                self._watched.pop(id(conn), None)
+
+    def check(self) -> float:
+        """Cut every connection past its limit; seconds until the next one's."""
+        now = time.monotonic()
+        with self._cond:
+            late = [k for k, (t, _, _) in self._watched.items() if t <= now]
+            cuts = [self._watched.pop(k) for k in late]
+            soonest = min((t for t, _, _ in self._watched.values()), default=now + self.limit)
+        for _, conn, cut in cuts:
+            cut.append(True)
+            with contextlib.suppress(OSError, psycopg.Error):
+                sock = socket.socket(fileno=conn.pgconn.socket)
+                try:  # shutdown, not close: the descriptor stays psycopg's
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.detach()
+        return soonest - now
+
+    def _run(self) -> None:
+        while True:
+            wait = self.check()
+            with self._cond:
+                if self._stop:
+                    return
+                self._cond.wait(max(0.01, wait))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
 class Store:
     """A pool of autocommit connections to one schema, and its receivers' wake-ups."""
 
@@ -115,6 +181,7 @@ class Store:
         self.clock, self.poll_interval = clock, poll_interval
         self.connect_timeout = connect_timeout
         self.waker = Waker()
+        self.watchdog = Watchdog(connect_timeout)
         self.closed = False
         self._listen = listen
         self._listener: Listener | None = None
@@ -146,9 +213,11 @@ class Store:
 
     @contextlib.contextmanager
     def conn(self, what: str) -> Iterator[Conn]:
-        """A pooled connection (autocommit) with errors translated."""
+        """A pooled connection (autocommit) with errors translated, cut after
+        ``connect_timeout`` of use (``Watchdog``)."""
         self.check_open()
-        with self.translate(what), self._pool.connection() as conn:
+        with self.translate(what), self._pool.connection() as conn, \
+                self.watchdog.watch(conn, f"postgresql {what} on {self.where}"):
             yield conn
 
     def check_open(self) -> None:
@@ -181,6 +250,7 @@ class Store:
             self.closed = True
             listener, self._listener = self._listener, None
         self.waker.wake()  # receivers notice the close
+        self.watchdog.stop()
         if listener is not None:
             listener.stop(self._poke)
         with self.translate("close"):
