@@ -24,7 +24,6 @@ delayed row becomes ready again. Partial indexes keep the ready set ordered by
 from __future__ import annotations
 
 import json
-import math
 import random
 import sqlite3
 import threading
@@ -41,6 +40,7 @@ from mqabstract.clock import Clock, SystemClock
 from mqabstract.driver import Driver, DriverSubscription
 from mqabstract.emulation.routes import Routes
 from mqabstract.emulation.sqlitedb import immediate, open_wal, retry_busy
+from mqabstract.emulation.wakeup import Waker
 from mqabstract.errors import (
     Closed,
     ConnectionFailed,
@@ -49,7 +49,7 @@ from mqabstract.errors import (
     NotFound,
 )
 from mqabstract.model import Columns, DeadLetter, Delivery, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.options import Option, parse_options
+from mqabstract.options import CLOCK, Option, parse_options
 from mqabstract.url import BrokerURL
 
 __all__ = ["SQLiteDriver"]
@@ -136,40 +136,16 @@ _DEAD_COLUMNS = "gid, id, topic, key, priority, published_at, headers, body"
 _SYNC = {"normal": "NORMAL", "full": "FULL", "extra": "EXTRA"}
 
 
-class _Shared:
-    """Per-file, per-process wake-up: writers bump generation counters and notify waiters.
-
-    ``gen`` wakes everyone (close, clock advance); ``groups[gid]`` only that group's
-    receivers, so a publish to one group does not make idle consumers of others re-query.
-    """
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
-        self.gen = 0
-        self.groups: dict[int, int] = {}
-
-    def stamp(self, gid: int) -> tuple[int, int]:
-        return self.gen, self.groups.get(gid, 0)
-
-    def wake(self, gids: Collection[int] | None = None) -> None:
-        with self.cond:
-            if gids is None:
-                self.gen += 1
-            else:
-                for gid in gids:
-                    self.groups[gid] = self.groups.get(gid, 0) + 1
-            self.cond.notify_all()
-
-
-_shared: dict[str, _Shared] = {}
+#: per file, per process: writers of every driver on the file wake each other's receivers
+_shared: dict[str, Waker] = {}
 _shared_lock = threading.Lock()
 
 
-def _shared_for(path: str) -> _Shared:
+def _shared_for(path: str) -> Waker:
     with _shared_lock:
         state = _shared.get(path)
         if state is None:
-            state = _shared[path] = _Shared()
+            state = _shared[path] = Waker()
         return state
 
 
@@ -210,32 +186,26 @@ class SQLiteDriver(Driver):
     )
     OPTIONS: ClassVar[dict[str, Option]] = {
         "busy_timeout": Option(
-            float, 10.0, "seconds to wait for another process's write lock before Timeout"
+            float, 10.0, "seconds to wait for another process's write lock before Timeout",
+            min=0,
         ),
         "synchronous": Option(
             str, "full",
             "full (a returned publish survives power loss) or normal (process crashes only)",
+            choices=tuple(_SYNC),
         ),
-        "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds"),
-        "poll_max": Option(float, 0.1, "longest idle re-check interval of receive, seconds"),
-        "clock": Option(object, None, "a mqabstract.Clock (tests pass FakeClock)"),
+        "poll_min": Option(float, 0.005, "first idle re-check interval of receive, seconds",
+                           min=0),
+        "poll_max": Option(float, 0.1, "longest idle re-check interval of receive, seconds",
+                           min=0),
+        "clock": CLOCK,
     }
 
     def __init__(self, url: BrokerURL, path: Path, opts: Mapping[str, Any]) -> None:
         self.url = url
         self.path = path
-        clock = opts["clock"]
-        if clock is not None and (isinstance(clock, str) or not hasattr(clock, "time")):
-            raise InvalidArgument("option clock must be a mqabstract.Clock object")
-        self.clock: Clock = clock or SystemClock()
-        sync = str(opts["synchronous"]).lower()
-        if sync not in _SYNC:
-            raise InvalidArgument(f"option synchronous must be one of {', '.join(_SYNC)}")
-        self.synchronous = _SYNC[sync]
-        for name in ("busy_timeout", "poll_min", "poll_max"):
-            value = float(opts[name])
-            if not math.isfinite(value) or value < 0:  # inf/nan would overflow or hang later
-                raise InvalidArgument(f"option {name} must be a finite number of seconds ≥ 0")
+        self.clock: Clock = opts["clock"] or SystemClock()
+        self.synchronous = _SYNC[opts["synchronous"]]
         self.busy_timeout = float(opts["busy_timeout"])
         self.poll_min = max(0.001, float(opts["poll_min"]))
         self.poll_max = max(self.poll_min, float(opts["poll_max"]))
@@ -619,11 +589,7 @@ class SQLiteSubscription(DriverSubscription):
             wait = min(interval, remaining)
             if self._next_due is not None and isinstance(d.clock, SystemClock):
                 wait = min(wait, max(0.0, self._next_due - d.now()) + 0.001)
-            shared = d._shared
-            with shared.cond:
-                if shared.stamp(self._gid) == self._seen:
-                    shared.cond.wait(wait)
-                woken = shared.stamp(self._gid) != self._seen
+            woken = d._shared.wait(self._gid, self._seen, wait)
             if self._closed or d._closed:
                 return []
             interval = d.poll_min if woken else min(interval * 2, d.poll_max)

@@ -10,7 +10,7 @@ capabilities: a feature's tests run wherever it is not UNSUPPORTED (skipped with
 reason otherwise), and the truthfulness scenarios check that every UNSUPPORTED feature
 raises ``Unsupported``. All names are unique per test, so a shared broker is fine.
 
-``--mq-container KIND`` (rabbitmq, kafka, sqs; extra ``containers``) starts a throwaway
+``--mq-container KIND`` (rabbitmq, kafka, sqs, postgresql; extra ``containers``) starts a throwaway
 broker container for the run and adds its URL (``mqabstract.conformance.containers``).
 """
 

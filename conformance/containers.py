@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mqabstract.probe import HOST, new_cluster_id, ready
+from mqabstract.probe import HOST, PG_DATABASE, PG_PASSWORD, PG_USER, new_cluster_id, ready
 
 
 class ContainerError(RuntimeError):
@@ -45,6 +45,8 @@ class Kind:
             return f"amqp://guest:guest@{HOST}:{port}/%2F"
         if self.name == "kafka":
             return f"kafka://{HOST}:{port}"
+        if self.name == "postgresql":
+            return f"postgresql://{PG_USER}:{PG_PASSWORD}@{HOST}:{port}/{PG_DATABASE}"
         return f"sqs://?region=us-east-1&endpoint_url=http://{HOST}:{port}"
 
     def settings(self, port: int) -> dict[str, str]:
@@ -84,6 +86,10 @@ KINDS: dict[str, Kind] = {
     "kafka": Kind("kafka", "apache/kafka:4.1.0", 9092, "kafka", 120.0, same_port=True,
                   env=_KAFKA_ENV),
     "sqs": Kind("sqs", "motoserver/moto:5.1.4", 5000, "sqs", 60.0),
+    # The postgres image's interface: the test bed's login and database (mqabstract.probe).
+    "postgresql": Kind("postgresql", "postgres:15", 5432, "postgresql", 60.0,
+                       env={"POSTGRES_USER": PG_USER, "POSTGRES_PASSWORD": PG_PASSWORD,
+                            "POSTGRES_DB": PG_DATABASE}),
 }
 
 

@@ -35,7 +35,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="KIND",
         help="also run the suite against a throwaway broker container of KIND (rabbitmq, "
-        "kafka, sqs), started with testcontainers (extra 'containers'); repeatable",
+        "kafka, sqs, postgresql), started with testcontainers (extra 'containers'); repeatable",
     )
     group.addoption(
         "--mq-container-image",

@@ -4,6 +4,7 @@
     mqa consume billing 'orders.#' --count 10
     mqa stats billing
     mqa dlq list billing
+    mqa relay --from postgresql://app@db/app --to kafka://k:9092
 
 Every command takes ``--url`` (default ``$MQ_URL``, then the embedded SQLite default) and
 ``--verbose``. Exit codes are listed in ``EXIT_CODES`` and docs/cli.md; expected errors
@@ -706,6 +707,12 @@ def cmd_capabilities(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------------
+def cmd_relay(args: argparse.Namespace) -> int:
+    from .outbox.command import cmd_relay as run
+
+    return run(args)
+
+
 def _connect(args: argparse.Namespace) -> Broker:
     return connect(args.url)
 
@@ -818,6 +825,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     p.add_argument("--plot", metavar="OUT.png", help="latency CDF plot (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    p = add("relay", cmd_relay, "move committed outbox rows (or a broker group's messages: a "
+            "bridge) to another broker, ids kept, removed only after it confirmed them")
+    from .outbox.command import add_arguments
+
+    add_arguments(p)
 
     p = add("capabilities", cmd_capabilities,
             "a backend's features (NATIVE/EMULATED/UNSUPPORTED) and limits")

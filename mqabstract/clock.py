@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time as _time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 __all__ = ["Clock", "FakeClock", "SystemClock"]
 
 
+@runtime_checkable
 class Clock(Protocol):
     """Wall-clock seconds since the epoch, a monotonic reading for deadlines, and a hook
     to learn when time jumps."""

@@ -9,7 +9,9 @@ the store records the id, then the message is acked.
 
 A crash between the handler's side effect and the store's record still repeats the side
 effect. ``SQLiteStore.transaction`` closes that window for side effects that live in the
-same SQLite file: they commit in one transaction with the id, or not at all.
+same SQLite file: they commit in one transaction with the id, or not at all;
+``PostgresStore.transaction`` (``mqabstract.backends.postgresql.dedupe``, importable from
+here when psycopg is installed) does the same in the application's PostgreSQL database.
 
 Ids are kept per group for ``retention`` seconds and at most ``max_entries`` of them:
 the oldest go first. A duplicate that comes after its id was forgotten is processed again,
@@ -35,7 +37,7 @@ from .errors import Duplicate, InvalidArgument, StoreError
 if TYPE_CHECKING:
     from .message import Message
 
-__all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]
+__all__ = ["DedupeStore", "MemoryStore", "SQLiteStore"]  # and PostgresStore (__getattr__)
 
 T = TypeVar("T")
 _S = TypeVar("_S", bound="DedupeStore")
@@ -142,6 +144,23 @@ _RECORD = "INSERT OR REPLACE INTO mq_processed (grp, id, at) VALUES (?, ?, ?)"
 PRUNE_EVERY = 1000
 
 
+class PruneCounter:
+    """Counts records across threads; ``due()`` is true once every ``PRUNE_EVERY`` calls,
+    when a durable store deletes its expired and surplus ids (SQLite, PostgreSQL)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0
+
+    def due(self) -> bool:
+        with self._lock:
+            self._since += 1
+            if self._since < PRUNE_EVERY:
+                return False
+            self._since = 0
+            return True
+
+
 class SQLiteStore(DedupeStore):
     """Ids in a SQLite file: survives restarts, shared by every process on one machine.
 
@@ -170,7 +189,7 @@ class SQLiteStore(DedupeStore):
         self._conns: dict[threading.Thread, tuple[sqlite3.Connection, threading.RLock]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._since_prune = 0
+        self._prunes = PruneCounter()
         self._pid = os.getpid()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,12 +305,8 @@ class SQLiteStore(DedupeStore):
         self._maybe_prune(now)
 
     def _maybe_prune(self, now: float) -> None:
-        with self._lock:
-            self._since_prune += 1
-            if self._since_prune < PRUNE_EVERY:
-                return
-            self._since_prune = 0
-        self.prune(now)
+        if self._prunes.due():
+            self.prune(now)
 
     def prune(self, now: float | None = None) -> int:
         """Forget expired ids and the oldest beyond ``max_entries``; returns how many."""
@@ -323,3 +338,19 @@ class SQLiteStore(DedupeStore):
     def __repr__(self) -> str:
         return (f"SQLiteStore({str(self.path)!r}, retention={self.retention:g}, "
                 f"max_entries={self.max_entries})")
+
+
+def __getattr__(name: str) -> object:
+    """``PostgresStore`` from here, imported when first asked for (it needs psycopg)."""
+    if name == "PostgresStore":
+        import importlib
+
+        try:
+            module = importlib.import_module("mqabstract.backends.postgresql.dedupe")
+        except ImportError as exc:
+            from .errors import MissingDependency
+
+            raise MissingDependency("PostgresStore needs mqabstract[postgresql] "
+                                    "(psycopg 3)") from exc
+        return module.PostgresStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -195,6 +195,8 @@ class Subscription:
                 # a message twice). The backend delivers them again once its lease ends.
                 log.warning("receive from group %r returned %d messages after their lease "
                             "ended; they are delivered again", spec.name, len(batch))
+                if chain.settlers:  # counted deliveries nobody saw: middleware may count them
+                    self._gone([Message(d, self, 0.0) for d in batch])
                 if out or self._closed or time.monotonic() >= deadline:
                     break
                 continue

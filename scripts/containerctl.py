@@ -6,7 +6,8 @@ private ``dockerd`` (own socket, pid file and exec root under the state dir; its
 under the download cache, so images survive between runs). ``down`` stops only a dockerd
 that ``up`` started. ``images`` builds the broker images from the versioned build contexts
 in ``scripts/images/`` on a Debian base made with ``debootstrap`` (no image registry is
-needed): RabbitMQ from Debian, Apache Kafka from the Maven jars, moto from PyPI. Each tag
+needed): RabbitMQ and PostgreSQL 15 from Debian, Apache Kafka from the Maven jars, moto
+from PyPI. Each tag
 carries a hash of its context, so an image is built once and rebuilt only when its
 context changes. ``env`` prints ``DOCKER_HOST`` and ``MQ_CONTAINER_<KIND>_IMAGE``.
 
@@ -34,7 +35,7 @@ import brokerctl
 from brokerctl import BrokerError, _run_step, apt_install, cache_root
 
 IMAGES_DIR = brokerctl.REPO / "scripts" / "images"
-KINDS = ("rabbitmq", "kafka", "sqs")
+KINDS = ("rabbitmq", "kafka", "sqs", "postgresql")
 BASE_SUITE = "bookworm"
 SYSTEM_SOCKET = "/var/run/docker.sock"
 ENGINE_TIMEOUT = 60.0
@@ -261,7 +262,8 @@ def image_tag(kind: str, python: str | None = None) -> str:
     args = _build_args(kind, python)
     digest.update(repr(sorted(args.items())).encode())
     version = {"kafka": args.get("KAFKA_VERSION"), "sqs": args.get("MOTO_VERSION")}.get(kind)
-    label = {"rabbitmq": "rabbitmq-deb12", "kafka": "kafka", "sqs": "moto"}[kind]
+    label = {"rabbitmq": "rabbitmq-deb12", "kafka": "kafka", "sqs": "moto",
+             "postgresql": "postgresql15-deb12"}[kind]
     return f"mqabstract-test/{label}:{version + '-' if version else ''}{digest.hexdigest()[:10]}"
 
 
@@ -304,11 +306,11 @@ def env_lines(host: str | None, python: str | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``containers up|down|status|env|images [rabbitmq|kafka|sqs ...]``."""
+    """CLI: ``containers up|down|status|env|images [rabbitmq|kafka|sqs|postgresql ...]``."""
     parser = argparse.ArgumentParser(prog="containers", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("up", "down", "status", "env", "images"))
     parser.add_argument("kinds", nargs="*", metavar="kind",
-                        help="images to build: rabbitmq, kafka, sqs (default: all)")
+                        help="images to build: rabbitmq, kafka, sqs, postgresql (default: all)")
     parser.add_argument("--python", help="interpreter whose moto version the sqs image pins")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.kinds) - set(KINDS))

@@ -232,3 +232,20 @@ def test_pick_by_ids_keeps_order() -> None:
     rows = [("a", 1), ("b", 2), ("c", 3)]
     assert pick(rows, None, lambda r: r[0]) == rows
     assert pick(rows, {"c", "a", "zz"}, lambda r: r[0]) == [("a", 1), ("c", 3)]
+
+
+def test_waker_wakes_only_the_written_group_and_never_misses_an_earlier_write() -> None:
+    import threading
+
+    from mqabstract.emulation.wakeup import Waker
+
+    waker = Waker()
+    seen = waker.stamp(1)
+    assert waker.wait(1, seen, 0.01) is False  # nothing written: a plain timeout
+    waker.wake({2})
+    assert waker.wait(1, seen, 0.01) is False  # another group's write: still asleep
+    waker.wake({1})  # written after the stamp, before the wait: not lost
+    assert waker.wait(1, seen, 30) is True
+    seen = waker.stamp(1)
+    threading.Timer(0.05, waker.wake).start()  # everyone (close, a clock jump)
+    assert waker.wait(1, seen, 30) is True

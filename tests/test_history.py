@@ -178,6 +178,33 @@ def _delivered_beyond_max() -> History:
     return h
 
 
+def _late_past_max(late: tuple[int, ...] = (2, 3, 4)) -> History:
+    """``f``: seen once by w2, then delivered at ``late`` attempts by receive calls that
+    returned after the lease (handed to nobody), then dead-lettered with the last count."""
+    h = clean()
+    h.publish("f", "dig-f")
+    h.deliver("f", 1, "w2", 1.6, 3.6, "dig-f", returned=1.65)
+    for n, attempt in enumerate(late):
+        h.unseen("f", attempt, "w2", 4.0 + n)
+    h.dead_letter("f", 4, "max attempts (3) exceeded")
+    h.effect("f")
+    return h
+
+
+def _cut_short() -> History:
+    """``f`` seen once, then counted twice more unseen: once by a late receive, once by
+    the receive call w1 was killed in (a CALLING without its CALL)."""
+    h = _late_past_max((2,))
+    h.dead_letters[-1] = dataclasses.replace(h.dead_letters[-1], attempts=3)
+    h.cut_short("w1", 0.9, 1.0)
+    return h
+
+
+def _drop_cut(h: History) -> History:
+    h.cut = []
+    return h
+
+
 def _effect_twice() -> History:
     h = clean()
     h.effect("a")
@@ -192,6 +219,11 @@ def _effect_missing() -> History:
 
 
 BREAKS: dict[str, Callable[[], History]] = {
+    # past max_attempts with no late delivery to explain it, or with late ones that stayed
+    # within max_attempts (a timely receive should have dead-lettered it at 3)
+    "dead-letters/past-max-unexplained": lambda: _late_past_max(()),
+    "dead-letters/late-within-max": lambda: _late_past_max((2, 3)),
+    "dead-letters/more-unseen-than-cut-calls": lambda: _drop_cut(_cut_short()),
     "lost/unacked": _lost_unacked,
     "lost/stranger": _lost_stranger,
     "lost/other-bytes": _lost_other_bytes,
@@ -333,6 +365,8 @@ BOUNDARIES: dict[str, Callable[[], History]] = {
     "release/receiver-died-within-margin": lambda: _receiver_killed_at(2.5, 6.0),
     "release/thawed-before-deadline": _release_short_freeze,
     "dead-letters/explicit-reason": _dead_letter_explicit,
+    "dead-letters/late-deliveries-past-max": _late_past_max,
+    "dead-letters/a-kill-cut-a-receive-short": _cut_short,
 }
 
 

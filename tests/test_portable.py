@@ -16,7 +16,7 @@ from mqabstract import Backoff, FakeClock, Feature, OutgoingMessage, Support
 from mqabstract.backends.memory import MemoryDriver
 from mqabstract.errors import ConnectionFailed, NotSent, PublishError
 from mqabstract.model import Envelope
-from mqabstract.options import Option, parse_options
+from mqabstract.options import CLOCK, Option, parse_options
 from mqabstract.url import BrokerURL
 
 
@@ -76,6 +76,38 @@ def test_messages_returned_after_their_lease_ended_are_not_handed_out(
     [m] = sub.receive(1, 0)
     assert m.attempt == 2
     m.ack()
+
+
+def test_a_late_receive_tells_middleware_its_messages_expired(clock: FakeClock) -> None:
+    """A batch a driver call returned after its lease ended is handed to nobody, yet each
+    of its messages was a counted delivery: middleware hears of them as ``expired`` (what
+    telemetry counts and the reliability suite records as deliveries nobody saw)."""
+    heard: list[tuple[str, str, int]] = []
+
+    class Listen(mqabstract.Middleware):
+        def settled(self, sub: object, op: str, messages: Any, started_ns: int,
+                    error: object) -> None:
+            heard.extend((op, m.id, m.attempt) for m in messages)
+
+    with mqabstract.connect(f"memory://late-{uuid.uuid4().hex}", clock=clock,
+                            middleware=[Listen()]) as mq:
+        sub = mq.subscribe("g", "a.#", lease=30)
+        mid = mq.publish("a.b", b"x")
+        inner = sub._inner  # type: ignore[attr-defined]
+        real_receive = inner.receive
+
+        def slow_receive(n: int, wait: float) -> list[object]:
+            got = real_receive(n, wait)
+            clock.advance(31)  # the driver call outlasted the lease
+            return got
+
+        inner.receive = slow_receive
+        assert sub.receive(1, 0) == []
+        assert heard == [("expired", mid, 1)]
+        inner.receive = real_receive
+        [msg] = sub.receive(1, 0)
+        assert msg.attempt == 2  # the unseen delivery counted
+        msg.ack()
 
 
 @pytest.mark.parametrize("what", ["exhausted", "ttl-ended"])
@@ -527,6 +559,34 @@ def test_options_parsing() -> None:
     with pytest.raises(mqabstract.InvalidArgument) as info2:
         parse_options(BrokerURL.parse("x://h"), {"password": 5}, spec, "x")
     assert "5" not in str(info2.value).replace("x://", "")
+
+
+def test_option_specs_refuse_out_of_range_values_before_anything_connects() -> None:
+    spec = {
+        "wait": Option(float, 1.0, "seconds", above=0, max=60),
+        "count": Option(int, 4, "how many", min=1),
+        "mode": Option(str, "full", "full or normal", choices=("full", "normal")),
+        "clock": CLOCK,
+    }
+    url = BrokerURL.parse("x://h")
+    fake = FakeClock()
+    got = parse_options(url, {"wait": "60", "count": 1, "mode": " NORMAL ", "clock": fake},
+                        spec, "x")
+    assert got == {"wait": 60.0, "count": 1, "mode": "normal", "clock": fake}
+    bad = [({"wait": 0}, r"wait=0.0 must be > 0 and ≤ 60 \(seconds\)"),
+           ({"wait": "nan"}, "must be a finite number"), ({"wait": "inf"}, "finite"),
+           ({"count": 0}, "count=0 must be ≥ 1"), ({"mode": "fast"}, "one of full, normal"),
+           ({"clock": "system"}, "clock='system' is not a valid Clock"),
+           ({"clock": object()}, "not a valid Clock")]
+    for given, message in bad:
+        with pytest.raises(mqabstract.InvalidArgument, match=message):
+            parse_options(url, given, spec, "x")
+    # Every driver's numeric options go through the same check: a typo'd value is refused
+    # before a connection is tried (memory and SQLite need no broker).
+    with pytest.raises(mqabstract.InvalidArgument, match=r"poll_max=-1\.0 must be ≥ 0"):
+        mqabstract.connect("sqlite:///:memory:?poll_max=-1")
+    with pytest.raises(mqabstract.InvalidArgument, match="not a valid Clock"):
+        mqabstract.connect("memory://opts", clock="now")
 
 
 def test_connect_uses_mq_url_then_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

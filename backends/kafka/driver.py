@@ -81,28 +81,35 @@ class KafkaDriver(KafkaCluster, Driver):
 
     OPTIONS: ClassVar[dict[str, Option]] = {
         "client": Option(str, "auto", "confluent, kafka-python, or auto: the fastest installed"),
-        "partitions": Option(int, 4, "partitions of topics this driver creates"),
+        "partitions": Option(int, 4, "partitions of topics this driver creates", min=1),
         "replication_factor": Option(int, AUTO, "replication of created topics (0: "
-                                     "min(3, brokers); -1: the broker's default)"),
+                                     "min(3, brokers); -1: the broker's default)",
+                                     min=BROKER_DEFAULT),
         "min_insync_replicas": Option(int, AUTO, "min.insync.replicas of created topics (0: "
                                       "replication - 1, between 1 and 2; -1: the broker's "
                                       "default); with acks=all, a publish is confirmed once "
-                                      "that many replicas have it"),
+                                      "that many replicas have it", min=BROKER_DEFAULT),
         "topic_prefix": Option(str, "", "prefix of every mapped topic name"),
         # Apache Kafka refuses sessions below group.min.session.timeout.ms (6000 by default).
-        "session_timeout_ms": Option(int, 6000, "consumer session (broker: 6000 or more)"),
-        "heartbeat_interval_ms": Option(int, 1000, "consumer heartbeat (< session / 3)"),
-        "max_poll_interval_ms": Option(int, 30000, "rebalance timeout of the group"),
-        "metadata_max_age_ms": Option(int, 1000, "how soon new topics reach pattern groups"),
-        "request_timeout_ms": Option(int, 15000, "per request"),
-        "connect_timeout": Option(float, 10.0, "seconds to reach the cluster at open"),
-        "linger_ms": Option(int, 2, "producer batching delay"),
-        "fetch_max_wait_ms": Option(int, 100, "longest a fetch waits for new records"),
-        "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group"),
+        "session_timeout_ms": Option(int, 6000, "consumer session (broker: 6000 or more)",
+                                     min=1),
+        "heartbeat_interval_ms": Option(int, 1000, "consumer heartbeat (< session / 3)",
+                                        min=1),
+        "max_poll_interval_ms": Option(int, 30000, "rebalance timeout of the group", min=1),
+        "metadata_max_age_ms": Option(int, 1000, "how soon new topics reach pattern groups",
+                                      min=0),
+        "request_timeout_ms": Option(int, 15000, "per request", min=1),
+        "connect_timeout": Option(float, 10.0, "seconds to reach the cluster at open",
+                                  above=0),
+        "linger_ms": Option(int, 2, "producer batching delay", min=0),
+        "fetch_max_wait_ms": Option(int, 100, "longest a fetch waits for new records", min=0),
+        "handoff_ms": Option(int, 500, "idle consumer hands ready messages to the group",
+                             min=0),
         "max_buffered": Option(int, 20000, "records waiting for receive before a consumer "
-                               "stops polling for more (delayed ones: 10x)"),
+                               "stops polling for more (delayed ones: 10x)", min=1),
         "prefetch_kbytes": Option(int, 16384, "what librdkafka reads ahead per consumer, KiB "
-                                  "(queued.max.messages.kbytes; confluent-kafka only)"),
+                                  "(queued.max.messages.kbytes; confluent-kafka only)",
+                                  min=1, max=PREFETCH_KBYTES_MAX),
         "client_id": Option(str, "mqabstract", "Kafka client id"),
         "security_protocol": Option(str, None, "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
         "sasl_mechanism": Option(str, None, "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ..."),
@@ -166,16 +173,6 @@ class KafkaDriver(KafkaCluster, Driver):
         except ImportError as exc:
             raise InvalidArgument(f"Kafka client {opts['client']!r} is not installed: "
                                   f"{exc}") from exc
-        if not 1 <= opts["prefetch_kbytes"] <= PREFETCH_KBYTES_MAX:
-            raise InvalidArgument(f"option prefetch_kbytes={opts['prefetch_kbytes']} is out of "
-                                  f"range 1..{PREFETCH_KBYTES_MAX}")
-        if opts["max_buffered"] < 1:
-            raise InvalidArgument(f"option max_buffered={opts['max_buffered']} must be at "
-                                  "least 1")
-        for name in ("replication_factor", "min_insync_replicas"):
-            if opts[name] < BROKER_DEFAULT:
-                raise InvalidArgument(f"option {name}={opts[name]}: use a count, 0 (chosen "
-                                      "from the cluster's size) or -1 (the broker's default)")
         if opts["replication_factor"] > 0:
             try:
                 replication_plan(opts["replication_factor"], opts["replication_factor"],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -17,10 +16,10 @@ from mqabstract.driver import Driver
 from mqabstract.emulation.routes import Routes
 from mqabstract.errors import InvalidArgument, NotFound, Timeout
 from mqabstract.model import Columns, DeadLetter, Envelope, GroupSpec, GroupStats, utc
-from mqabstract.options import Option, parse_options
+from mqabstract.options import CLOCK, Option, parse_options
 from mqabstract.url import BrokerURL
 
-from .schema import DELAYED, READY, check_schema, decode_headers, encode_headers, migrate
+from .schema import READY, check_schema, decode_headers, encode_headers, migrate, rows
 from .store import Conn, Store
 from .subscription import PostgreSQLSubscription
 
@@ -54,25 +53,20 @@ class PostgreSQLDriver(Driver):
     )
     OPTIONS: ClassVar[dict[str, Option]] = {
         "schema": Option(str, "mq", "schema holding the tables (created and migrated on open)"),
-        "pool_size": Option(int, 4, "most pooled connections (receivers, settles, publishes)"),
-        "connect_timeout": Option(float, 10.0, "seconds to connect before ConnectionFailed"),
+        "pool_size": Option(int, 4, "most pooled connections (receivers, settles, publishes)",
+                            min=1, max=1000),
+        "connect_timeout": Option(float, 10.0, "seconds to connect before ConnectionFailed",
+                                  above=0),
         "poll_interval": Option(float, 0.5, "longest idle wait of receive between looks at "
-                                "the table, seconds (bounds latency when NOTIFYs are lost)"),
+                                "the table, seconds (bounds latency when NOTIFYs are lost)",
+                                above=0),
         "listen": Option(bool, True, "wake receivers with LISTEN/NOTIFY (off: poll only)"),
-        "clock": Option(object, None, "a mqabstract.Clock (tests pass FakeClock)"),
+        "clock": CLOCK,
     }
 
     def __init__(self, url: BrokerURL, opts: Mapping[str, Any]) -> None:
         self.url = url
-        clock = opts["clock"]
-        if clock is not None and (isinstance(clock, str) or not hasattr(clock, "time")):
-            raise InvalidArgument("option clock must be a mqabstract.Clock object")
-        self.clock: Clock = clock or SystemClock()
-        for name in ("connect_timeout", "poll_interval"):
-            if not 0 < float(opts[name]) < math.inf:
-                raise InvalidArgument(f"option {name} must be a finite number of seconds > 0")
-        if not 1 <= int(opts["pool_size"]) <= 1000:
-            raise InvalidArgument("option pool_size must be between 1 and 1000")
+        self.clock: Clock = opts["clock"] or SystemClock()
         self.schema = check_schema(str(opts["schema"]))
         poll = max(0.01, float(opts["poll_interval"]))
         self._caps = replace(self.CAPABILITIES, release_margin=poll + RELEASE_SLACK)
@@ -146,25 +140,13 @@ class PostgreSQLDriver(Driver):
         # (a transaction costs a BEGIN and a COMMIT round trip: only when it is needed)
         with conn.transaction() if len(cuts) > 2 else contextlib.nullcontext():
             for start, stop in itertools.pairwise(cuts):
-                part = [c[start:stop] for c in cols]
-                # One value for all rows travels once (never ids and bodies: see schema).
-                same = tuple(i not in (5, 9) and c.count(c[0]) == len(c) for i, c in
-                             enumerate(part))
-                args = [c[0] for c, one in zip(part, same, strict=True) if one]
-                args += [c for c, one in zip(part, same, strict=True) if not one]
-                row = conn.execute(self.sql.publish(same), (*args, version)).fetchone()
+                row = conn.execute(*self.sql.publish([c[start:stop] for c in cols],
+                                                     version)).fetchone()
                 if row is None or not row[0]:
                     raise _Stale  # the groups version moved; rolls back earlier chunks
 
     def publish(self, envelopes: Sequence[Envelope]) -> None:
-        def build() -> list[list[Any]]:
-            rows = [(gid, READY if env.deliver_at is None else DELAYED, env.deliver_at or 0.0,
-                     env.priority, env.key, env.id, env.topic, env.published_at,
-                     encode_headers(env.headers), env.body)
-                    for env in envelopes for gid in self._route(env.topic)]
-            return [list(col) for col in zip(*rows, strict=True)] if rows else [[]] * 10
-
-        self._insert(build)
+        self._insert(lambda: rows(envelopes, self._route))
 
     def publish_columns(self, columns: Columns) -> None:
         """One topic: routed once, headers encoded once when every row shares them, the

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
 
 from mqabstract.errors import ConnectionFailed, InvalidArgument
+from mqabstract.model import Envelope
 
 __all__ = ["DELAYED", "LEASED", "READY", "SCHEMA_VERSION", "Statements", "check_schema",
-           "decode_headers", "encode_headers", "migrate"]
+           "decode_headers", "encode_headers", "migrate", "rows"]
 
 READY, LEASED, DELAYED = 0, 1, 2
 SCHEMA_VERSION = 1
@@ -113,10 +114,21 @@ def migrate(conn: psycopg.Connection[tuple[Any, ...]], schema: str, where: str) 
             conn.execute(f"INSERT INTO {schema}.mq_version VALUES (%s)", (SCHEMA_VERSION,))
 
 
-# The columns a publish writes, in the order the driver builds them, with their array type.
+# The columns a publish writes, in the order ``rows`` builds them, with their array type.
 _COLUMNS = ("gid int[]", "state smallint[]", "due float8[]", "priority smallint[]",
             "key text[]", "id text[]", "topic text[]", "published_at float8[]",
             "headers text[]", "body bytea[]")
+
+
+def rows(envelopes: Iterable[Envelope],
+         groups_for: Callable[[str], Iterable[int]]) -> list[list[Any]]:
+    """The publish columns (``_COLUMNS``) of ``envelopes``: one row per group that
+    ``groups_for(topic)`` routes each to (the driver's publish and ``publish_direct``)."""
+    found = [(gid, READY if env.deliver_at is None else DELAYED, env.deliver_at or 0.0,
+              env.priority, env.key, env.id, env.topic, env.published_at,
+              encode_headers(env.headers), env.body)
+             for env in envelopes for gid in groups_for(env.topic)]
+    return [list(col) for col in zip(*found, strict=True)] if found else [[] for _ in _COLUMNS]
 
 
 class Hot(NamedTuple):
@@ -190,11 +202,21 @@ class Statements:
         self._settles: dict[tuple[int, ...], Settle] = {}
         self.notify = f"SELECT pg_notify('{self.channel}', %s)"
 
-    def publish(self, same: tuple[bool, ...]) -> str:
-        """Rows and NOTIFY in one statement, landing only while the groups version is the
-        routed one. A column whose rows all hold one value (``same``, by position in
-        ``_COLUMNS``) travels once; the others as arrays in binary (%b: ten times cheaper
-        to adapt than as text, and each array element costs the client time)."""
+    def publish(self, cols: Sequence[Sequence[Any]], version: int) -> tuple[str, tuple[Any, ...]]:
+        """The statement and arguments that write the publish columns ``cols`` (``rows``)
+        into the current partition, with a NOTIFY per group, landing only while the
+        groups version is ``version`` (else it writes nothing and returns a count of 0).
+        The driver's publish and ``outbox.publish_direct`` both write through this.
+
+        A column whose rows all hold one value travels once (never ids and bodies: those
+        differ); the others as arrays in binary (%b: ten times cheaper to adapt than as
+        text, and each array element costs the client time)."""
+        same = tuple(i not in (5, 9) and c.count(c[0]) == len(c) for i, c in enumerate(cols))
+        args = [c[0] for c, one in zip(cols, same, strict=True) if one]
+        args += [c for c, one in zip(cols, same, strict=True) if not one]
+        return self._publish_sql(same), (*args, version)
+
+    def _publish_sql(self, same: tuple[bool, ...]) -> str:
         if same not in self._publish:
             s, cols = self._s, [c.split()[0] for c in _COLUMNS]
             picks = [f"%s::{t[:-2]}" if one else f"r.{c}"

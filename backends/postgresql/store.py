@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import threading
-from collections.abc import Callable, Collection, Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -16,40 +18,45 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from mqabstract.clock import Clock
+from mqabstract.emulation.wakeup import Waker
 from mqabstract.errors import Closed, ConnectionFailed, InvalidURL, MQError, Timeout
 from mqabstract.url import BrokerURL
 
 from .rotation import ROTATE_EVERY, rotate
 from .schema import Statements
 
-__all__ = ["Conn", "Listener", "Store", "Waker"]
+__all__ = ["Conn", "Listener", "Store", "Watchdog", "translate"]
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
-class Waker:
-    """Counters under one condition: ``gen`` wakes every receiver, ``groups[gid]`` one group's."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
-        self.gen = 0
-        self.groups: dict[int, int] = {}
-
-    def stamp(self, gid: int) -> tuple[int, int]:
-        return self.gen, self.groups.get(gid, 0)
-
-    def wake(self, gids: Collection[int] | None = None) -> None:
-        with self.cond:
-            if gids is None:
-                self.gen += 1
-            for gid in gids or ():
-                self.groups[gid] = self.groups.get(gid, 0) + 1
-            self.cond.notify_all()
-
-    def wait(self, gid: int, seen: tuple[int, int], seconds: float) -> None:
-        """Return after ``seconds``, or earlier when ``gid``'s stamp moved past ``seen``."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.stamp(gid) != seen, seconds)
+@contextlib.contextmanager
+def translate(what: str, where: str, password: str | None = None,
+              connect_timeout: float | None = None, kind: str = "broker") -> Iterator[None]:
+    """psycopg's (and its pool's) exceptions become ``mqabstract.errors`` naming ``where``
+    (a redacted URL or a description), never ``password``: connection problems
+    ``ConnectionFailed``, statement and lock timeouts ``Timeout``, any other server error
+    a plain ``MQError``; the native exception is chained (``kind`` names what a closed
+    pool belonged to). Shared by the driver, the outbox and the dedupe store."""
+    try:
+        yield
+    except MQError:
+        raise
+    except PoolClosed as exc:
+        raise Closed(f"postgresql {kind} {where} is closed") from exc
+    except Exception as exc:
+        text = str(exc).strip().replace(password or "\0", "***")
+        head = f"postgresql {what} on {where}"
+        if isinstance(exc, PoolTimeout):
+            within = "" if connect_timeout is None else f" within {connect_timeout:g}s"
+            raise ConnectionFailed(f"{head}: no connection{within}: {text}") from exc
+        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
+            raise Timeout(f"{head}: {text}") from exc
+        if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+            raise ConnectionFailed(f"{head} failed: {text}") from exc
+        if isinstance(exc, psycopg.Error):
+            raise MQError(f"{head} failed: {type(exc).__name__}: {text}") from exc
+        raise
 
 
 class Listener:
@@ -88,6 +95,70 @@ class Listener:
         self._thread.join(2.0)
 
 
+class Watchdog:
+    """A time limit on calls: psycopg sets none on a statement, and a frozen server (a paused
+    container, a VM stall, a black hole on the path) answers nothing, not even a cancel
+    request. A connection in use longer than ``limit`` has its socket shut down, so the call
+    blocked on it fails at once (``ConnectionFailed``) and the pool drops the connection."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._cond = threading.Condition(threading.Lock())
+        self._watched: dict[int, tuple[float, Conn, list[bool]]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    @contextlib.contextmanager
+    def watch(self, conn: Conn, what: str) -> Iterator[None]:
+        cut: list[bool] = []
+        with self._cond:
+            self._watched[id(conn)] = (time.monotonic() + self.limit, conn, cut)
+            if self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._run, name="mq-watchdog",
+                                                daemon=True)
+                self._thread.start()
+        try:
+            yield
+        except psycopg.Error as exc:
+            if cut:
+                raise ConnectionFailed(f"{what}: the server did not answer within "
+                                       f"{self.limit:g}s") from exc
+            raise
+        finally:
+            with self._cond:
+                self._watched.pop(id(conn), None)
+
+    def check(self) -> float:
+        """Cut every connection past its limit; seconds until the next one's."""
+        now = time.monotonic()
+        with self._cond:
+            late = [k for k, (t, _, _) in self._watched.items() if t <= now]
+            cuts = [self._watched.pop(k) for k in late]
+            soonest = min((t for t, _, _ in self._watched.values()), default=now + self.limit)
+        for _, conn, cut in cuts:
+            cut.append(True)
+            with contextlib.suppress(OSError, psycopg.Error):
+                sock = socket.socket(fileno=conn.pgconn.socket)
+                try:  # shutdown, not close: the descriptor stays psycopg's
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.detach()
+        return soonest - now
+
+    def _run(self) -> None:
+        while True:
+            wait = self.check()
+            with self._cond:
+                if self._stop:
+                    return
+                self._cond.wait(max(0.01, wait))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
 class Store:
     """A pool of autocommit connections to one schema, and its receivers' wake-ups."""
 
@@ -118,6 +189,7 @@ class Store:
         self.clock, self.poll_interval = clock, poll_interval
         self.connect_timeout = connect_timeout
         self.waker = Waker()
+        self.watchdog = Watchdog(connect_timeout)
         self.closed = False
         self._listen = listen
         self._listener: Listener | None = None
@@ -143,34 +215,17 @@ class Store:
         """A new connection outside the pool (migration, the LISTEN connection)."""
         return psycopg.connect(self._conninfo, **self._kwargs)
 
-    @contextlib.contextmanager
-    def translate(self, what: str) -> Iterator[None]:
+    def translate(self, what: str) -> contextlib.AbstractContextManager[None]:
         """psycopg's exceptions become ``mqabstract.errors`` naming the redacted URL."""
-        try:
-            yield
-        except MQError:
-            raise
-        except PoolClosed as exc:
-            raise Closed(f"postgresql broker {self.where} is closed") from exc
-        except Exception as exc:
-            text = str(exc).strip().replace(self._password or "\0", "***")
-            head = f"postgresql {what} on {self.where}"
-            if isinstance(exc, PoolTimeout):
-                raise ConnectionFailed(f"{head}: no connection within "
-                                       f"{self.connect_timeout:g}s: {text}") from exc
-            if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
-                raise Timeout(f"{head}: {text}") from exc
-            if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
-                raise ConnectionFailed(f"{head} failed: {text}") from exc
-            if isinstance(exc, psycopg.Error):
-                raise MQError(f"{head} failed: {type(exc).__name__}: {text}") from exc
-            raise
+        return translate(what, self.where, self._password, self.connect_timeout)
 
     @contextlib.contextmanager
     def conn(self, what: str) -> Iterator[Conn]:
-        """A pooled connection (autocommit) with errors translated."""
+        """A pooled connection (autocommit) with errors translated, cut after
+        ``connect_timeout`` of use (``Watchdog``)."""
         self.check_open()
-        with self.translate(what), self._pool.connection() as conn:
+        with self.translate(what), self._pool.connection() as conn, \
+                self.watchdog.watch(conn, f"postgresql {what} on {self.where}"):
             yield conn
 
     def check_open(self) -> None:
@@ -216,8 +271,9 @@ class Store:
             listener, self._listener = self._listener, None
         self._stop.set()
         self.waker.wake()  # receivers notice the close
-        if self._rotator is not None:
-            self._rotator.join(self.connect_timeout)
+        if self._rotator is not None:  # a pass hung on a silent server: the watchdog
+            self._rotator.join(self.connect_timeout)  # cuts it within connect_timeout
+        self.watchdog.stop()
         if listener is not None:
             listener.stop(self._poke)
         with self.translate("close"):

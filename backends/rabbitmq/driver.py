@@ -138,13 +138,16 @@ class RabbitMQDriver(Driver):
 
     OPTIONS: ClassVar[dict[str, Option]] = {
         "exchange": Option(str, "mqabstract", "topic exchange; also the prefix of queue names"),
-        "prefetch": Option(int, 100, "unacked messages the broker may push to one consumer"),
+        "prefetch": Option(int, 100, "unacked messages the broker may push to one consumer",
+                           min=1),
         "queue_type": Option(str, "auto", "auto (quorum, classic for priority groups), "
-                             "quorum or classic"),
-        "heartbeat": Option(int, 30, "AMQP heartbeat, seconds"),
-        "connect_timeout": Option(float, 10.0, "seconds to establish a connection"),
+                             "quorum or classic", choices=("auto", "quorum", "classic")),
+        "heartbeat": Option(int, 30, "AMQP heartbeat, seconds (0: off)", min=0, max=65535),
+        # pika needs a positive timeout
+        "connect_timeout": Option(float, 10.0, "seconds to establish a connection",
+                                  above=0, max=1e6),
         "publish_timeout": Option(float, 30.0, "seconds a publish may wait for confirms, "
-                                  "reconnects included"),
+                                  "reconnects included", above=0, max=1e6),
         "max_body_bytes": Option(int, 128 * 1024 * 1024 - 64 * 1024,
                                  "largest body accepted (RabbitMQ's max_message_size minus "
                                  "room for properties)"),
@@ -212,17 +215,8 @@ class RabbitMQDriver(Driver):
     @classmethod
     def open(cls, url: BrokerURL, options: Mapping[str, Any]) -> RabbitMQDriver:
         opts = parse_options(url, options, cls.OPTIONS, cls.name)
-        if opts["queue_type"] not in ("auto", "quorum", "classic"):
-            raise InvalidArgument("queue_type must be auto, quorum or classic")
-        if opts["prefetch"] < 1:
-            raise InvalidArgument("prefetch must be ≥ 1")
         if not opts["exchange"] or len(opts["exchange"]) > 100:
             raise InvalidArgument("exchange must be 1-100 characters")
-        for name in ("connect_timeout", "publish_timeout"):
-            if not 0 < opts[name] < 1e6:  # also rejects nan; pika needs a positive timeout
-                raise InvalidArgument(f"{name} must be > 0 and < 1e6 seconds")
-        if not 0 <= opts["heartbeat"] <= 65535:
-            raise InvalidArgument("heartbeat must be 0 (off) to 65535 seconds")
         driver = cls(url, opts)
         driver._admin.run(
             lambda a: a.ch.exchange_declare(driver._exchange, "topic", durable=True),

@@ -84,10 +84,12 @@ class SQSDriver(Driver):
         "high_throughput": Option(
             bool, True, "FIFO high-throughput mode (dedup and throughput per message group)"
         ),
-        "connect_timeout": Option(float, 5.0, "seconds to connect before ConnectionFailed"),
-        "retries": Option(int, 3, "botocore retry attempts for throttling and 5xx"),
+        "connect_timeout": Option(float, 5.0, "seconds to connect before ConnectionFailed",
+                                  above=0),
+        "retries": Option(int, 3, "botocore retry attempts for throttling and 5xx", min=0),
         "publish_lanes": Option(
-            int, 4, "concurrent SNS batch calls per publish (messages of one key share a lane)"
+            int, 4, "concurrent SNS batch calls per publish (messages of one key share a lane)",
+            min=1,
         ),
     }
 

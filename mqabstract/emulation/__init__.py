@@ -10,6 +10,8 @@ two drivers emulating the same thing do it the same way:
 * :mod:`.routes`: topic → matching groups, cached until the group set changes (``Routes``),
   for drivers that fan a publish out themselves (memory, SQLite);
 * :mod:`.names`: fitting names into a broker's length and alphabet limits, injectively;
+* :mod:`.wakeup`: idle receivers of store-based drivers and what wakes them (``Waker``:
+  SQLite, PostgreSQL);
 * :mod:`.ordering`: one message of a key at a time in ordered groups (``KeyGate``), used by
   the portable layer for every broker that would hand out more (``Capabilities.key_gate``).
 

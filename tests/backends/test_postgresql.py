@@ -7,6 +7,7 @@ test works in a schema of its own, dropped afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
@@ -341,3 +342,91 @@ def test_urls_without_host_or_database_are_invalid(url: str) -> None:
 def test_postgres_scheme_is_an_alias(url: str) -> None:
     with mqabstract.connect(url.replace("postgresql://", "postgres://", 1)) as mq:
         assert mq.backend == "postgresql"
+
+
+class _Relay:
+    """A TCP relay to the server that can go silent: ``freeze()`` stops forwarding bytes
+    both ways with every connection left open (a paused server, a GC or VM stall, a black
+    hole on the path); ``thaw()`` forwards again."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._socks: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self.target)
+                self._socks += [client, upstream]
+                for src, dst in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def freeze(self) -> None:
+        self.flowing.clear()
+
+    def thaw(self) -> None:
+        self.flowing.set()
+
+    def close(self) -> None:
+        self.thaw()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def test_a_server_that_goes_silent_fails_calls_within_the_connect_timeout(
+        server: str, schema: str) -> None:
+    """psycopg puts no time limit on a statement, and a frozen server answers nothing (not
+    even a cancel request): without the driver's own limit a receive(timeout=0.5) waited for
+    as long as the server stayed frozen (the container pause scenario hung for good)."""
+    parsed = mqabstract.url.BrokerURL.parse(server)
+    host, port = parsed.hosts[0]
+    relay = _Relay((host, port or 5432))
+    url = (f"postgresql://{parsed.username}:{parsed.password}@127.0.0.1:{relay.port}/"
+           f"{parsed.path}?schema={schema}&connect_timeout=2")
+    try:
+        with mqabstract.connect(url) as mq:
+            mq.declare("g", "t.#")
+            sub = mq.subscribe("g", "t.#")
+            relay.freeze()
+            results = []
+            for call in (lambda: sub.receive(1, 0.5), lambda: mq.publish("t.x", b"1")):
+                outcome: list[BaseException | None] = []
+
+                def run(call: Any = call, outcome: list[BaseException | None] = outcome) -> None:
+                    try:
+                        call()
+                        outcome.append(None)
+                    except BaseException as exc:
+                        outcome.append(exc)
+
+                caller = threading.Thread(target=run, daemon=True)
+                caller.start()
+                caller.join(4)  # connect_timeout (2 s) and slack for a loaded machine
+                assert outcome, "the call still waits on the silent server after 4 s"
+                assert isinstance(outcome[0], mqabstract.ConnectionFailed), outcome
+                results.append(str(outcome[0]))
+            # The receive's connection is cut; the publish then finds the pool's replacement
+            # still connecting to the silent server: no connection within the same 2 s.
+            assert "did not answer within 2s" in results[0], results
+            assert "within 2s" in results[1], results
+            relay.thaw()
+            mq.publish("t.x", b"after")  # the pool replaced the cut connections
+            got = sub.receive(5, 5.0)
+            assert [m.body for m in got][-1:] == [b"after"]
+    finally:
+        relay.close()

@@ -1,11 +1,11 @@
 """Backend parametrization and reporting for the reliability suite.
 
-Tests take the ``backend`` fixture (an alias: memory, sqlite, rabbitmq, kafka, sqs, or
-``kafka-python``: Kafka on its other client, ``CLIENT_ALIASES``) and
+Tests take the ``backend`` fixture (an alias: memory, sqlite, rabbitmq, kafka, sqs,
+postgresql, or ``kafka-python``: Kafka on its other client, ``CLIENT_ALIASES``) and
 ``rel_url`` (its URL, resolved like the conformance suite's aliases: ``tests/brokers.py``
 finds the shared brokers; in CI a missing broker fails, never skips). The backends come from
 ``--mq-url`` when the conformance plugin is loaded with aliases, else from
-``MQ_RELIABILITY_BACKENDS`` (comma-separated), else all five.
+``MQ_RELIABILITY_BACKENDS`` (comma-separated), else all of ``ALIASES``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 
 from .support import Reporter, fault_url, kind
 
-ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs")
-BROKER_KINDS = ("rabbitmq", "kafka", "sqs")
+ALIASES = ("memory", "sqlite", "rabbitmq", "kafka", "kafka-python", "sqs", "postgresql")
+BROKER_KINDS = ("rabbitmq", "kafka", "sqs", "postgresql")
 
 
 def _selected(config: pytest.Config) -> list[str]:
@@ -56,9 +56,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 #: no two running scenarios ever share a broker. The longest groups come first (a lane
 #: that finishes takes the next group).
 _OWN_BROKERS = {"test_kafka_cluster.py": "kafka-cluster",
-                "test_container_faults.py": "container-"}
-_LONGEST_FIRST = ("kafka", "kafka-cluster", "sqs", "rabbitmq", "embedded",
-                  "container-kafka", "container-rabbitmq")
+                "test_container_faults.py": "container-",
+                # the relays and the dedupe store load the shared PostgreSQL
+                "test_outbox_faults.py": "postgresql"}
+_LONGEST_FIRST = ("kafka", "kafka-cluster", "sqs", "rabbitmq", "postgresql", "embedded",
+                  "container-kafka", "container-rabbitmq", "container-postgresql")
 
 
 def _lane(item: pytest.Item) -> str:

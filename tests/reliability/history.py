@@ -58,8 +58,14 @@ Rules:
     Dead letters caused by running out of attempts (lease expiries or nacks on the final
     attempt, or whatever reason the scenario marks as exhausted) carry exactly
     ``max_attempts``; no delivery carries more than ``max_attempts``; no dead letter
-    records more attempts than deliveries were seen; each id is dead-lettered at most once
-    unless the check is told why the backend declares duplicates possible.
+    records more attempts than deliveries were recorded; each id is dead-lettered at most
+    once unless the check is told why the backend declares duplicates possible. Late
+    deliveries (``History.late``: a receive call that returned after the lease ended; the
+    portable layer hands them to nobody and settles none, as the lease rule says) count as
+    deliveries, and one past ``max_attempts`` moves that id's dead letter to its attempt:
+    nobody could dead-letter a delivery nobody was given. A receive call a kill cut short
+    (``History.cut``) may have cost any message one delivery nobody read: each such call
+    allows one more attempt than recorded, and no more.
 ``effects``
     Dedupe scenarios: each confirmed id's side effect happened exactly once, and none
     happened for an id never published.
@@ -165,6 +171,13 @@ class History:
     windows: list[Window] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     effects: dict[str, int] | None = None
+    #: deliveries nobody saw: a receive call returned them after their lease had ended, so
+    #: the portable layer handed them to no one (and could settle none), but the broker
+    #: counted each (id, attempt, holder, when)
+    late: list[tuple[str, int, str, float]] = field(default_factory=list)
+    #: receive calls a kill cut short (holder, start, death): the broker may have counted a
+    #: delivery of each message it was sending them, which no process ever read
+    cut: list[tuple[str, float, float]] = field(default_factory=list)
 
     # -- recording ---------------------------------------------------------------------
     def publish(self, mid: str, digest: str, confirmed: bool = True) -> None:
@@ -174,6 +187,14 @@ class History:
                 digest: str, returned: float | None = None) -> None:
         self.deliveries.append(Delivery(mid, attempt, holder, start, deadline, digest,
                                         returned, len(self.deliveries)))
+
+    def cut_short(self, holder: str, start: float, died: float) -> None:
+        """Record a receive call that ``holder`` was in when it was killed (see ``cut``)."""
+        self.cut.append((holder, start, died))
+
+    def unseen(self, mid: str, attempt: int, holder: str, t: float) -> None:
+        """Record a delivery a late receive call dropped (see ``late``)."""
+        self.late.append((mid, attempt, holder, t))
 
     def settle(self, mid: str, holder: str, outcome: str, t: float) -> None:
         if outcome not in OUTCOMES:
@@ -497,8 +518,16 @@ def rule_dead_letters(h: History, duplicates_declared: str | None = None) -> lis
         if h.dead_letters:
             out.append("[dead-letters] not judged: the history has no max_attempts")
         return out
+    # A late receive may carry an id past max_attempts: nobody saw it, so nobody could
+    # dead-letter it, and the next delivery is dead-lettered with the attempts counted.
+    beyond: dict[str, int] = {}
+    for mid, attempt, _, _ in h.late:
+        if attempt > limit:
+            beyond[mid] = max(beyond.get(mid, limit), attempt)
+    # Each receive call a kill cut short may have cost any message one counted delivery.
+    cut = len(h.cut)
     wrong = [f"{d.id}: {d.attempts} ({d.reason})" for d in h.dead_letters
-             if d.exhausted and d.attempts != limit]
+             if d.exhausted and not 0 <= d.attempts - beyond.get(d.id, limit) <= cut]
     if wrong:
         out.append(f"[dead-letters] dead-lettered for running out of attempts with other "
                    f"than max_attempts={limit}: {_sample(wrong)}")
@@ -507,9 +536,10 @@ def rule_dead_letters(h: History, duplicates_declared: str | None = None) -> lis
     if over:
         out.append(f"[dead-letters] delivered beyond max_attempts={limit} instead of "
                    f"dead-lettered: {_sample(over)}")
-    seen = Counter(d.id for d in h.deliveries)
+    seen = Counter(d.id for d in h.deliveries) + Counter(mid for mid, _, _, _ in h.late)
     early = [f"{d.id}: {d.attempts} attempts, {seen[d.id]} deliveries"
-             for d in h.dead_letters if d.exhausted and seen[d.id] < d.attempts]
+             + (f" (+{cut} receive calls cut short)" if cut else "")
+             for d in h.dead_letters if d.exhausted and seen[d.id] + cut < d.attempts]
     if early:
         out.append(f"[dead-letters] dead-lettered with more attempts than deliveries seen: "
                    f"{_sample(early)}")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -112,6 +113,20 @@ class Reporter:
 RELEASE_CLOCK = {"kafka": "membership", "sqlite": "unfrozen"}
 
 
+class _LateHere(mqabstract.Middleware):
+    """Late deliveries in this process (see ``Ledger.connect``)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+
+    def settled(self, sub: object, op: str, messages: Sequence[mqabstract.Message],
+                started_ns: int, error: object) -> None:
+        if op == "expired":
+            for msg in messages:
+                if (msg.id, msg.attempt) not in self._ledger._handed:
+                    self._ledger.history.unseen(msg.id, msg.attempt, "here", time.monotonic())
+
+
 class Ledger:
     """The recording API of a scenario: it builds the scenario's :class:`History` (judged
     by ``history.check``) and keeps the views the tests steer by: ``expected`` (confirmed
@@ -129,6 +144,13 @@ class Ledger:
             else "deadline"
         self.expected: dict[str, str] = {}
         self.acked: set[str] = set()
+        self._handed: set[tuple[str, int]] = set()  # (id, attempt) received in this process
+
+    def connect(self, url: str) -> mqabstract.Broker:
+        """``mqabstract.connect(url)`` whose receive calls that return after their lease
+        (handing their messages to nobody) are recorded as late deliveries of ``"here"``,
+        as workers print them (``LATE``): the broker counted each."""
+        return mqabstract.connect(url, middleware=[_LateHere(self)])
 
     # -- recording ----------------------------------------------------------------------
     def confirm(self, mid: str, body: bytes) -> None:
@@ -156,6 +178,7 @@ class Ledger:
         """Record a message received in this process through ``sub``: its lease deadline
         (now + what is left of it) and origin (the deadline - the group's lease)."""
         deadline = time.monotonic() + msg.lease_remaining
+        self._handed.add((msg.id, msg.attempt))
         self.deliver(msg.id, msg.attempt, digest(msg.body), holder=holder,
                      start=deadline - sub.spec.lease, deadline=deadline, returned=returned)
 
@@ -424,6 +447,7 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
         end: float | None = None
         died = w.killed_at
         calls = False
+        calling: float | None = None  # a receive call that started and has not returned
         ack_from: dict[str, float] = {}
         for ev in w.events():
             tag = ev[0]
@@ -440,8 +464,13 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
                 ledger.settle(ev[1], ACKED, who, ack_from.get(ev[1], float(ev[2])))
             elif tag == "EXPIRED":
                 ledger.settle(ev[1], LEASE_EXPIRED, who, float(ev[2]))
+            elif tag == "LATE":
+                history.unseen(ev[1], int(ev[2]), who, float(ev[3]))
+            elif tag == "CALLING":
+                calling = float(ev[1])
             elif tag == "CALL":
                 calls = True
+                calling = None
                 history.receiving(who, float(ev[1]), float(ev[2]))
             elif tag == "KILL":
                 died = float(ev[1])
@@ -450,6 +479,8 @@ def feed(ledger: Ledger, *workers: Worker) -> None:
         if died is not None:
             history.killed(who, died)
             end = died if end is None else min(end, died)
+            if calling is not None:
+                history.cut_short(who, calling, died)
         for t0, t1 in w.freezes:
             assert t0 is not None
             history.frozen(who, t0, t1)

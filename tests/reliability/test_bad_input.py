@@ -21,8 +21,9 @@ from tests.brokers import in_ci
 
 from .support import Reporter, cleanup, kind, token
 
-EXAMPLES = {"memory": 60, "sqlite": 40, "rabbitmq": 12, "kafka": 10, "sqs": 12}
-WAIT = {"memory": 2.0, "sqlite": 5.0, "rabbitmq": 10.0, "kafka": 20.0, "sqs": 10.0}
+EXAMPLES = {"memory": 60, "sqlite": 40, "rabbitmq": 12, "kafka": 10, "sqs": 12, "postgresql": 40}
+WAIT = {"memory": 2.0, "sqlite": 5.0, "rabbitmq": 10.0, "kafka": 20.0, "sqs": 10.0,
+        "postgresql": 5.0}
 
 #: Characters that make names interesting: valid ones, separators, wildcards, whitespace,
 #: controls, non-ASCII, a surrogate.

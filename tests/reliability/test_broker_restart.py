@@ -2,8 +2,10 @@
 
 What can be asserted depends on the broker's storage:
 
-* RabbitMQ (``PrivateRabbit``) and Apache Kafka (``PrivateKafka``, a KRaft node from the
-  Maven jars) keep durable queues / topics and committed offsets across a restart, so
+* RabbitMQ (``PrivateRabbit``), Apache Kafka (``PrivateKafka``, a KRaft node from the
+  Maven jars) and PostgreSQL (``PrivatePostgres``, Debian's server on its own data dir,
+  stopped with a "fast" shutdown that ends every client connection) keep durable queues /
+  topics / committed rows and committed offsets across a restart, so
   *every* confirmed publish — before, during and after the outage — must be delivered,
   and messages held unacked at the restart come back.
 * moto (``PrivateMoto``) keeps everything in memory: a restart wipes queues and
@@ -58,6 +60,8 @@ def _private(kind: str, state_dir: Path) -> Any:
                                 state_dir=state_dir)
     if kind == "kafka":
         return bc.PrivateKafka(port=spare_port(19693, also=(1000,)), state_dir=state_dir)
+    if kind == "postgresql":
+        return bc.PrivatePostgres(port=spare_port(55600), state_dir=state_dir)
     return bc.PrivateMoto(port=spare_port(5255), state_dir=state_dir)
 
 
@@ -69,7 +73,7 @@ def private(backend: str, tmp_path: Path) -> Iterator[Any]:
     broker.client_url = fault_url(backend, broker.url)
     try:
         broker.start()
-    except Exception as exc:  # missing rabbitmq-server / Kafka jars / moto
+    except Exception as exc:  # missing rabbitmq-server / Kafka jars / moto / postgresql-15
         if in_ci():
             pytest.fail(f"cannot start a private {kind}: {exc}")
         pytest.skip(f"cannot start a private {kind}: {exc}")
@@ -98,11 +102,15 @@ def _fresh_client_works(url: str, tok: str) -> str:
         return f"fails too: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-@pytest.mark.backends("rabbitmq", "kafka", "sqs")
+#: Private brokers whose storage survives a restart (moto's does not).
+DURABLE = ("rabbitmq", "kafka", "postgresql")
+
+
+@pytest.mark.backends("rabbitmq", "kafka", "sqs", "postgresql")
 def test_broker_restart(private: Any, backend: str, reporter: Reporter) -> None:
     """Restart the broker under a publisher thread and a consumer holding leases."""
     kind = private.kind
-    durable = kind in ("rabbitmq", "kafka")
+    durable = kind in DURABLE
     tok = token()
     topic, pattern, group = f"rel.{tok}.r", f"rel.{tok}.#", f"rel-{tok}"
     ledger = Ledger(max_attempts=20, backend=backend)

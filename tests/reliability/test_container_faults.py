@@ -6,10 +6,10 @@ then for ``OUTAGE`` seconds either freezes the broker (``docker pause``: it keep
 sockets but answers nothing) or takes the container off its network (new connections
 refused, open ones silent). Asserted: no raw client exception escapes; no publish is
 confirmed while the broker cannot have stored it; publishing and receiving recover with
-the same ``Broker`` and ``Subscription``; every confirmed message is delivered (RabbitMQ's
-and Kafka's storage survive both faults) and the held, unacked ones come back. The history
-checker judges the rest (``history.check``); the fault is recorded as the end of this
-process's broker session.
+the same ``Broker`` and ``Subscription``; every confirmed message is delivered (RabbitMQ's,
+Kafka's and PostgreSQL's storage survive both faults) and the held, unacked ones come
+back. The history checker judges the rest (``history.check``); the fault is recorded as
+the end of this process's broker session.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def box(backend: str) -> Iterator[Any]:
         running.stop()
 
 
-@pytest.mark.backends("rabbitmq", "kafka")
+@pytest.mark.backends("rabbitmq", "kafka", "postgresql")
 @pytest.mark.parametrize("fault", ["pause", "cut"])
 def test_container_fault(box: Any, backend: str, fault: str, reporter: Reporter) -> None:
     tok = token()

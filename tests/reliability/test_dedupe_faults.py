@@ -47,11 +47,13 @@ SKIPPED = {
                "unknown",
 }
 
-#: Messages and kills per backend: 10,000 on the embedded default and RabbitMQ; fewer
-#: where each kill costs seconds (a Kafka rebalance) or moto is slow (~15 messages/s here).
+#: Messages and kills per backend: 10,000 on the embedded default, RabbitMQ and PostgreSQL;
+#: fewer where each kill costs seconds (a Kafka rebalance) or moto is slow (~15 messages/s
+#: here).
 #: Planned kills alternate: after a commit (before the ack), inside a transaction.
-COUNT = {"sqlite": 10_000, "rabbitmq": 10_000, "kafka": 2_000, "sqs": 300}
-KILLS = {"sqlite": 12, "rabbitmq": 12, "kafka": 4, "sqs": 4}
+COUNT = {"sqlite": 10_000, "rabbitmq": 10_000, "kafka": 2_000, "sqs": 300,
+         "postgresql": 10_000}
+KILLS = {"sqlite": 12, "rabbitmq": 12, "kafka": 4, "sqs": 4, "postgresql": 12}
 WORKERS = 2
 
 

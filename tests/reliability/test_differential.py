@@ -44,8 +44,9 @@ LEASE = 2.0
 MAX_ATTEMPTS = 3
 #: Examples per backend: each real-broker example costs seconds of real waiting
 #: (``MQ_DIFFERENTIAL_EXAMPLES=N`` runs N on each, for a longer hunt).
-EXAMPLES = {"memory": 12, "sqlite": 6, "rabbitmq": 3, "kafka": 3, "sqs": 3}
-RECEIVE_WAIT = {"memory": 0.2, "sqlite": 0.3, "rabbitmq": 0.8, "kafka": 1.5, "sqs": 1.0}
+EXAMPLES = {"memory": 12, "sqlite": 6, "rabbitmq": 3, "kafka": 3, "sqs": 3, "postgresql": 6}
+RECEIVE_WAIT = {"memory": 0.2, "sqlite": 0.3, "rabbitmq": 0.8, "kafka": 1.5, "sqs": 1.0,
+                "postgresql": 0.3}
 
 Op = tuple[Any, ...]
 
@@ -140,9 +141,11 @@ class History:
 # The contract orders a key's messages "to a single consumer while no failure intervenes"
 # (partition / FIFO-group semantics), and one at a time on every backend (README, ordered
 # groups). On these a key's publish order of first deliveries also survives a crash or an
-# expiry; on Kafka (partition owner) and RabbitMQ a rebalance or a cut between a nack and
-# its return may let a later one go first (docs/backends/kafka.md, "Ordered groups").
-ORDER_SURVIVES_FAILURE = {"memory", "sqlite", "sqs"}
+# expiry (PostgreSQL, like SQLite: a nacked or expired row keeps its place, and a key's
+# later rows wait while it is in the group); on Kafka (partition owner) and RabbitMQ a
+# rebalance or a cut between a nack and its return may let a later one go first
+# (docs/backends/kafka.md, "Ordered groups").
+ORDER_SURVIVES_FAILURE = {"memory", "sqlite", "sqs", "postgresql"}
 #: Backends where, in an ordered group, a consumer that stops receiving without closing
 #: keeps its keys' messages until it resumes or leaves the group: Kafka (a partition has
 #: one owner and ordered groups never hand records off; docs/backends/kafka.md, "Idle

@@ -39,12 +39,14 @@ from .support import (
     token,
 )
 
-PROCESS_BACKENDS = ("sqlite", "rabbitmq", "kafka", "sqs")
+PROCESS_BACKENDS = ("sqlite", "rabbitmq", "kafka", "sqs", "postgresql")
 
 #: Seconds of silence after which a backend has nothing more to deliver: leases of killed
 #: consumers (LEASE) must run out first, and Kafka must also rebalance a dead member away
-#: (session timeout 3 s + a join).
-QUIET = {"memory": 0.5, "sqlite": 1.0, "rabbitmq": 1.5, "sqs": 2.5, "kafka": 4.0}
+#: (session timeout 3 s + a join). PostgreSQL: an expired lease is found within the
+#: receiver's ``poll_interval`` (0.5 s), like SQLite's.
+QUIET = {"memory": 0.5, "sqlite": 1.0, "rabbitmq": 1.5, "sqs": 2.5, "kafka": 4.0,
+         "postgresql": 1.0}
 
 
 def _emit(ledger: Ledger, reporter: Reporter, *, release_margin: float | None,

@@ -60,7 +60,7 @@ def test_frozen_holder_releases_within_lease_and_margin(backend: str, rel_url: s
     tok = token("f")
     topic, pattern, group = f"rel.{tok}.work", f"rel.{tok}.#", f"rel-{tok}"
     ledger = Ledger(max_attempts=50, backend=backend)
-    with mqabstract.connect(rel_url) as mq:
+    with ledger.connect(rel_url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=FREEZE_LEASE, max_attempts=50)
         try:
@@ -132,7 +132,7 @@ def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter)
                       str(CHAOS_MAX_ATTEMPTS), "600", "none", str(rng.randrange(1 << 30)), "10",
                       str(CHAOS_WORK))
 
-    with mqabstract.connect(rel_url) as mq:
+    with ledger.connect(rel_url) as mq:
         margin = mq.capabilities.release_margin
         mq.declare(group, pattern, lease=CHAOS_LEASE, max_attempts=CHAOS_MAX_ATTEMPTS)
         workers: list[Worker] = []

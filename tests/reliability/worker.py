@@ -2,7 +2,8 @@
 
     worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH [WORK]]
         print ``READY pid t``, then receive up to BATCH (default 5) at a time, printing
-        ``CALL start returned n`` per receive call; per message
+        ``CALLING start`` before and ``CALL start returned n`` after each receive call (a
+        ``CALLING`` without its ``CALL``: a kill cut that call short); per message
         print ``RECV id attempt digest origin deadline returned``, "process" it (sleep up to
         WORK seconds, default 0.02), then ``ACKING id t``,
         ack, ``ACKED id t``. KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth
@@ -17,8 +18,9 @@
         parent freezes this process meanwhile) and try to ack each message, printing
         ``ACKING id t`` and ``ACKED id t`` or ``EXPIRED id t``.
     worker.py dedupe URL GROUP PATTERN LEASE STORE KILL IDLE
-        ``consume`` with ``dedupe=SQLiteStore(STORE)``; the handler inserts a row into the
-        store file's ``effects`` table inside ``store.transaction`` (its side effect, once
+        ``consume`` with ``dedupe=SQLiteStore(STORE)`` (or, STORE ``postgresql://…#SCHEMA``,
+        ``PostgresStore`` with effects in ``SCHEMA.effects``); the handler inserts a row into
+        the store's ``effects`` table inside ``store.transaction`` (its side effect, once
         per id or never). KILL is ``none``, ``inside:N`` (SIGKILL inside the Nth handler's
         transaction: rolled back) or ``after:N`` (SIGKILL right after the Nth handler's
         transaction committed, printing ``KILLED id``: between its success and the ack).
@@ -26,9 +28,17 @@
         handler started, by which its receive call had returned).
         Prints ``STATS received acked duplicates`` when it exits after IDLE seconds
         without messages.
+    worker.py relay SOURCE TARGET BATCH LEASE KILL
+        ``outbox.Relay(SOURCE, TARGET)`` until SIGTERM; KILL is ``none`` or ``confirm:N``:
+        SIGKILL itself on the Nth claim after the target confirmed it, before the source
+        settles it (printing ``KILLED n``): those messages are published again by the next
+        relay, with their ids.
     worker.py publish URL TOPIC COUNT PREFIX SEED
         publish COUNT messages with ids PREFIX-n, mixing single publishes and batches;
         ``TRY id...`` before each call, ``PUB id...`` after it returned (confirmed).
+
+Every mode that receives prints ``LATE id attempt t`` for each message of a receive call
+that returned after its lease had ended (handed to nobody, counted by the broker).
 
 Every line is flushed before the next step, so a parent that SIGKILLs this process knows
 what had happened up to that point. Times are time.monotonic() readings (one clock for all
@@ -45,6 +55,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 import mqabstract
 from tests.reliability.support import body_for, digest
@@ -64,9 +75,31 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: (id, attempt) of every message a receive handed to this process's code
+handed: set[tuple[str, int]] = set()
+
+
+class LateDeliveries(mqabstract.Middleware):
+    """Prints ``LATE id attempt t`` for each message of a receive call that returned after
+    its lease ended: the portable layer hands those to nobody (its ``expired`` settle), yet
+    the broker counted each as a delivery, so the history must know of it."""
+
+    def settled(self, sub: object, op: str, messages: Sequence[mqabstract.Message],
+                started_ns: int, error: object) -> None:
+        if op == "expired":
+            for msg in messages:
+                if (msg.id, msg.attempt) not in handed:
+                    out("LATE", msg.id, msg.attempt, now())
+
+
+def connect(url: str) -> mqabstract.Broker:
+    return mqabstract.connect(url, middleware=[LateDeliveries()])
+
+
 def recv_line(msg: mqabstract.Message, lease: float, returned: float) -> None:
     """``RECV id attempt digest origin deadline returned``: the deadline is fixed at receive
     (now + what is left of the lease), even if this process is frozen before printing."""
+    handed.add((msg.id, msg.attempt))
     deadline = time.monotonic() + msg.lease_remaining
     out("RECV", msg.id, msg.attempt, digest(msg.body), repr(deadline - lease), repr(deadline),
         repr(returned))
@@ -77,13 +110,14 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
     rng = random.Random(seed)
     phase, _, nth = kill.partition(":")
     kill_at = int(nth) if nth else -1
-    mq = mqabstract.connect(url)
+    mq = connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=max_attempts)
     out("READY", os.getpid(), now())
     seen = 0
     last = time.monotonic()
     while True:
         called = time.monotonic()
+        out("CALLING", repr(called))
         msgs = sub.receive(max_messages=batch, wait=0.5)
         returned = time.monotonic()
         out("CALL", repr(called), repr(returned), len(msgs))
@@ -117,13 +151,22 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
 
 def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, kill: str,
            idle: float) -> None:
-    from mqabstract.dedupe import SQLiteStore
+    from mqabstract.dedupe import DedupeStore, SQLiteStore
 
     phase, _, nth = kill.partition(":")
     kill_at = int(nth) if nth else -1
     handled = 0
-    store = SQLiteStore(store_path)
-    mq = mqabstract.connect(url)
+    store: DedupeStore
+    if store_path.startswith("postgresql://"):  # PostgresStore: effects in table <schema>.effects
+        from mqabstract.dedupe import PostgresStore
+
+        where, _, schema = store_path.partition("#")
+        store = PostgresStore(where, schema=schema)
+        insert = f"INSERT INTO {schema}.effects VALUES (%s, %s, %s)"
+    else:
+        store = SQLiteStore(store_path)
+        insert = "INSERT INTO effects VALUES (?, ?, ?)"
+    mq = connect(url)
     sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
     out("READY", os.getpid(), now())
 
@@ -135,8 +178,8 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
         # before its block; the kill then lands on the next one that is processed. With
         # "==" both planned kills of a run were skipped once, under load, when lapsed leases
         # made duplicates common.)
-        with store.transaction(msg) as db:
-            db.execute("INSERT INTO effects VALUES (?, ?, ?)", (msg.id, msg.attempt, os.getpid()))
+        with store.transaction(msg) as db:  # type: ignore[attr-defined]
+            db.execute(insert, (msg.id, msg.attempt, os.getpid()))
             if phase == "inside" and handled >= kill_at:
                 die()  # before the commit: neither the effect nor the id stays
         if phase == "after" and handled >= kill_at:
@@ -149,8 +192,35 @@ def dedupe(url: str, group: str, pattern: str, lease: float, store_path: str, ki
     store.close()
 
 
+def relay(source: str, target: str, batch: int, lease: float, kill: str) -> None:
+    import threading
+
+    from mqabstract import outbox
+
+    _, _, nth = kill.partition(":")
+    kill_at = int(nth) if nth else -1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with outbox.Relay(source, target, batch=batch, lease=lease, poll_interval=0.05) as r:
+        confirm = r.source.confirm
+        claims = 0
+
+        def confirm_or_die() -> None:
+            nonlocal claims
+            claims += 1
+            if claims == kill_at:
+                out("KILLED", claims)
+                die()  # the target has the claim's messages; the source still has them too
+            confirm()
+
+        r.source.confirm = confirm_or_die  # type: ignore[method-assign]
+        out("READY", os.getpid(), now())
+        r.run(stop)
+    out("DONE", now())
+
+
 def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
-    with mqabstract.connect(url) as mq:
+    with connect(url) as mq:
         sub = mq.subscribe(group, pattern, lease=lease, max_attempts=50)
         out("READY", os.getpid(), now())
         while True:
@@ -179,7 +249,7 @@ def hold(url: str, group: str, pattern: str, lease: float, count: int) -> None:
 
 def publish(url: str, topic: str, count: int, prefix: str, seed: int) -> None:
     rng = random.Random(seed)
-    with mqabstract.connect(url) as mq:
+    with connect(url) as mq:
         out("READY", os.getpid(), now())
         n = 0
         while n < count:
@@ -207,6 +277,8 @@ if __name__ == "__main__":
         hold(args[0], args[1], args[2], float(args[3]), int(args[4]))
     elif mode == "dedupe":
         dedupe(args[0], args[1], args[2], float(args[3]), args[4], args[5], float(args[6]))
+    elif mode == "relay":
+        relay(args[0], args[1], int(args[2]), float(args[3]), args[4])
     elif mode == "publish":
         publish(args[0], args[1], int(args[2]), args[3], int(args[4]))
     else:
