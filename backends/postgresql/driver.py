@@ -140,8 +140,8 @@ class PostgreSQLDriver(Driver):
         # (a transaction costs a BEGIN and a COMMIT round trip: only when it is needed)
         with conn.transaction() if len(cuts) > 2 else contextlib.nullcontext():
             for start, stop in itertools.pairwise(cuts):
-                row = conn.execute(*self.sql.publish([c[start:stop] for c in cols],
-                                                     version)).fetchone()
+                row = conn.execute(*self.sql.publish([c[start:stop] for c in cols], version,
+                                                     held=len(cuts) > 2)).fetchone()
                 if row is None or not row[0]:
                     raise _Stale  # the groups version moved; rolls back earlier chunks
 

@@ -147,9 +147,10 @@ def publish_direct(conn: psycopg.Connection[Any], schema: str,
                    envelopes: Sequence[Envelope]) -> None:
     """Route and insert ``envelopes`` into the broker's queue rows of ``schema`` inside the
     caller's transaction: the driver's own rows and statement (``Statements.publish``),
-    which writes into the partition that is current, NOTIFYs on commit, and writes only
-    while the groups version read is current (a group declared meanwhile makes it route
-    again)."""
+    which writes into the partition that is current, NOTIFYs on commit, writes only while
+    the groups version read is current (a group declared meanwhile makes it route again),
+    and holds the partition's writer lock until the caller's transaction ends, so the
+    rotation cannot call the partition drained under an uncommitted row."""
     sql = _statements(check_schema(schema))
     _check_transaction(conn)
     with _errors("outbox publish_direct", _where(conn)):
@@ -161,7 +162,7 @@ def publish_direct(conn: psycopg.Connection[Any], schema: str,
             cols = rows(envelopes, routes.groups_for)
             if not cols[0]:
                 return  # no group takes these topics (a publish to them reaches no one)
-            row = conn.execute(*sql.publish(cols, version)).fetchone()
+            row = conn.execute(*sql.publish(cols, version, held=True)).fetchone()
             if row is not None and row[0]:
                 return
     raise Timeout(f"outbox publish_direct on {_where(conn)}: groups kept changing while "

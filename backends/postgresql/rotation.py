@@ -9,7 +9,7 @@ from __future__ import annotations
 import psycopg
 import psycopg.errors
 
-from .schema import partition_ddl
+from .schema import part_lock, partition_ddl
 
 __all__ = ["rotate"]
 
@@ -30,6 +30,13 @@ def _try(conn: psycopg.Connection, *steps: tuple[str, tuple[object, ...]]) -> bo
         return True
     except psycopg.errors.LockNotAvailable:
         return False
+
+
+def _alone(conn: psycopg.Connection, s: str, p: int) -> bool:
+    """No transaction that wrote into partition ``p`` is open (its rows are not visible
+    yet): the partition's writer lock (``schema.part_lock``), held until this pass ends."""
+    row = conn.execute(f"SELECT pg_try_advisory_xact_lock({part_lock(s)}, %s)", (p,)).fetchone()
+    return bool(row and row[0])
 
 
 def rotate(conn: psycopg.Connection, s: str) -> tuple[int, ...]:
@@ -70,16 +77,22 @@ def rotate(conn: psycopg.Connection, s: str) -> tuple[int, ...]:
             if state != OPEN or now - since < SETTLE:
                 continue
             table = f"{s}.mq_queue_{p}"
+            alone = _alone(conn, s, p)
             (left,) = conn.execute(f"SELECT count(*) FROM (SELECT FROM {table} LIMIT %s) t",
                                    (STRAGGLERS + 1,)).fetchone() or (0,)
-            if not left:
+            if not left and alone:
                 conn.execute(set_state, (DRAINED, now, 0, p))
-            elif left <= STRAGGLERS:  # ready and delayed rows move on, keeping their seq
+            elif 0 < left <= STRAGGLERS:  # ready and delayed rows move on, keeping their seq
                 conn.execute(f"UPDATE {s}.mq_queue SET part = %s WHERE part = %s AND seq ="
                              f" ANY(ARRAY(SELECT seq FROM {table} WHERE state <> 1"
                              " FOR UPDATE SKIP LOCKED))", (cur, p))
         for p, (state, _, _) in parts.items():
             table = f"{s}.mq_queue_{p}"
+            if state == DRAINED and not _alone(conn, s, p):
+                # A writer whose snapshot is older than the drain (publish_direct in a
+                # REPEATABLE READ transaction) wrote into p: the claims must look at it.
+                conn.execute(set_state, (OPEN, now, 0, p))
+                continue
             if state == DRAINED and _try(conn, (f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE",
                                                 ())):
                 # Under the lock no insert is in flight: a row that came in after the

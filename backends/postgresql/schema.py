@@ -15,7 +15,7 @@ from mqabstract.errors import ConnectionFailed, InvalidArgument
 from mqabstract.model import Envelope
 
 __all__ = ["DELAYED", "LEASED", "READY", "SCHEMA_VERSION", "Statements", "check_schema",
-           "decode_headers", "encode_headers", "migrate", "rows"]
+           "decode_headers", "encode_headers", "migrate", "part_lock", "rows"]
 
 READY, LEASED, DELAYED = 0, 1, 2
 SCHEMA_VERSION = 1
@@ -131,6 +131,13 @@ def rows(envelopes: Iterable[Envelope],
     return [list(col) for col in zip(*found, strict=True)] if found else [[] for _ in _COLUMNS]
 
 
+def part_lock(s: str) -> str:
+    """SQL for the first half of a partition's writer lock (the second: the partition): a
+    publish whose transaction outlives its statement holds it shared; the rotation calls a
+    partition drained only while it holds it exclusive (docs: "Bloat")."""
+    return f"hashtext('mqabstract-part:{s}')"
+
+
 class Hot(NamedTuple):
     promote: str
     claim: str
@@ -154,7 +161,7 @@ class Statements:
         returning = ("RETURNING seq, id, topic, body, headers, key, priority, attempts,"
                      " published_at, part")
         self._s = s
-        self._publish: dict[tuple[bool, ...], str] = {}
+        self._publish: dict[tuple[tuple[bool, ...], bool], str] = {}
         self.version = f"SELECT value FROM {s}.mq_meta WHERE name = 'groups'"
         self.routes = (f"SELECT m.value, g.gid, g.pattern FROM {s}.mq_meta m"
                        f" LEFT JOIN {s}.mq_groups g ON true WHERE m.name = 'groups'")
@@ -202,7 +209,8 @@ class Statements:
         self._settles: dict[tuple[int, ...], Settle] = {}
         self.notify = f"SELECT pg_notify('{self.channel}', %s)"
 
-    def publish(self, cols: Sequence[Sequence[Any]], version: int) -> tuple[str, tuple[Any, ...]]:
+    def publish(self, cols: Sequence[Sequence[Any]], version: int,
+                held: bool = False) -> tuple[str, tuple[Any, ...]]:
         """The statement and arguments that write the publish columns ``cols`` (``rows``)
         into the current partition, with a NOTIFY per group, landing only while the
         groups version is ``version`` (else it writes nothing and returns a count of 0).
@@ -210,29 +218,35 @@ class Statements:
 
         A column whose rows all hold one value travels once (never ids and bodies: those
         differ); the others as arrays in binary (%b: ten times cheaper to adapt than as
-        text, and each array element costs the client time)."""
+        text, and each array element costs the client time). ``held``: the statement runs
+        in a transaction that may stay open after it (a chunked batch, the application's
+        own): it holds the partition's writer lock (``part_lock``) until that ends, so the
+        rotation does not call the partition drained while rows in it are uncommitted."""
         same = tuple(i not in (5, 9) and c.count(c[0]) == len(c) for i, c in enumerate(cols))
         args = [c[0] for c, one in zip(cols, same, strict=True) if one]
         args += [c for c, one in zip(cols, same, strict=True) if not one]
-        return self._publish_sql(same), (*args, version)
+        return self._publish_sql(same, held), (*args, version)
 
-    def _publish_sql(self, same: tuple[bool, ...]) -> str:
-        if same not in self._publish:
+    def _publish_sql(self, same: tuple[bool, ...], held: bool) -> str:
+        if (same, held) not in self._publish:
             s, cols = self._s, [c.split()[0] for c in _COLUMNS]
             picks = [f"%s::{t[:-2]}" if one else f"r.{c}"
                      for (c, t), one in zip((c.split() for c in _COLUMNS), same, strict=True)]
             arrays = [f"%b::{c.split()[1]}" for c, one in zip(_COLUMNS, same, strict=True)
                       if not one]
             names = [c for c, one in zip(cols, same, strict=True) if not one]
-            self._publish[same] = (
-                f"WITH ins AS (INSERT INTO {s}.mq_queue (part, {', '.join(cols)},"
+            current = f"SELECT part FROM {s}.mq_parts WHERE state = 1"
+            lock = (f"cur AS MATERIALIZED (SELECT part, pg_advisory_xact_lock_shared("
+                    f"{part_lock(s)}, part) FROM {s}.mq_parts WHERE state = 1), ") if held else ""
+            self._publish[same, held] = (
+                f"WITH {lock}ins AS (INSERT INTO {s}.mq_queue (part, {', '.join(cols)},"
                 " attempts, token)"
-                f" SELECT (SELECT part FROM {s}.mq_parts WHERE state = 1), {', '.join(picks)},"
+                f" SELECT ({'SELECT part FROM cur' if held else current}), {', '.join(picks)},"
                 f" 0, 0 FROM unnest({', '.join(arrays)}) AS r({', '.join(names)})"
                 f" WHERE (SELECT value FROM {s}.mq_meta WHERE name = 'groups') = %s"
                 f" RETURNING gid) SELECT count(*), (SELECT count(pg_notify('{self.channel}',"
                 " g::text)) FROM (SELECT DISTINCT gid FROM ins) AS d(g)) FROM ins")
-        return self._publish[same]
+        return self._publish[same, held]
 
     def hot(self, drained: tuple[int, ...]) -> Hot:
         """The receivers' statements, skipping the ``drained`` partitions (a leased row is
