@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -432,6 +432,35 @@ def freeze_a_holder(mq: mqabstract.Broker, url: str, group: str, pattern: str, l
         if holder is not None and holder.proc.poll() is None:
             holder.thaw()
             holder.kill()
+
+
+def run_replacing_killed(spawn: Callable[[], Worker], n: int, limit: float
+                         ) -> tuple[list[Worker], list[Worker]]:
+    """Run ``n`` workers until each exits by itself, replacing every one SIGKILLed (a worker
+    that kills itself at a planned point) with a fresh ``spawn()``; another exit status
+    fails. Returns (finished, killed); fails when some are still busy after ``limit`` s."""
+    workers = [spawn() for _ in range(n)]
+    finished: list[Worker] = []
+    killed: list[Worker] = []
+    deadline = time.monotonic() + limit
+    while workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for w in list(workers):
+            code = w.proc.poll()
+            if code is None:
+                continue
+            workers.remove(w)
+            w.finish(30)
+            if code == -9:
+                killed.append(w)
+                workers.append(spawn())
+            else:
+                assert code == 0, f"a consumer exited {code}: {w.stderr}"
+                finished.append(w)
+    for w in workers:  # over time: stop them, then report what was missing
+        w.kill()
+    assert not workers, f"consumers still busy after {limit:g} s ({len(killed)} killed)"
+    return finished, killed
 
 
 def feed(ledger: Ledger, *workers: Worker) -> None:

@@ -32,6 +32,7 @@ from .support import (
     collect_dead,
     feed,
     kind,
+    run_replacing_killed,
     seed_for,
     token,
 )
@@ -97,27 +98,7 @@ def test_sigkill_between_success_and_ack_processes_each_id_once(
                 planned[w.proc.pid] = plan
                 return w
 
-            workers = [spawn() for _ in range(WORKERS)]
-            finished: list[Worker] = []
-            killed: list[Worker] = []
-            deadline = time.monotonic() + 600
-            while workers and time.monotonic() < deadline:
-                time.sleep(0.1)
-                for w in list(workers):
-                    code = w.proc.poll()
-                    if code is None:
-                        continue
-                    workers.remove(w)
-                    w.finish(30)
-                    if code == -9:
-                        killed.append(w)
-                        workers.append(spawn())
-                    else:
-                        assert code == 0, f"a consumer exited {code}: {w.stderr}"
-                        finished.append(w)
-            for w in workers:  # over time: stop them, then report what was missing
-                w.kill()
-            assert not workers, f"consumers still busy after 600 s ({len(killed)} killed)"
+            finished, killed = run_replacing_killed(spawn, WORKERS, 600)
             # What the last consumers left (Kafka may still be rebalancing a killed member's
             # partitions away): this process finishes it, the same way (store, transaction).
             with SQLiteStore(store) as dedupe, \

@@ -46,6 +46,7 @@ from .support import (
     Worker,
     body_for,
     feed,
+    run_replacing_killed,
     seed_for,
     token,
 )
@@ -399,27 +400,7 @@ def test_postgres_store_sigkill_between_effect_and_ack(pg: str, schema: str, tmp
             return Worker("dedupe", url, group, pattern, str(LEASE), store_spec,
                           plans.pop(0) if plans else "none", "2.0")
 
-        workers = [spawn() for _ in range(workers_n)]
-        killed: list[Worker] = []
-        finished: list[Worker] = []
-        deadline = time.monotonic() + 300
-        while workers and time.monotonic() < deadline:
-            time.sleep(0.1)
-            for w in list(workers):
-                code = w.proc.poll()
-                if code is None:
-                    continue
-                workers.remove(w)
-                w.finish(30)
-                if code == -9:
-                    killed.append(w)
-                    workers.append(spawn())
-                else:
-                    assert code == 0, f"a consumer exited {code}: {w.stderr}"
-                    finished.append(w)
-        for w in workers:
-            w.kill()
-        assert not workers, "consumers still busy after 300 s"
+        finished, killed = run_replacing_killed(spawn, workers_n, 300)
         with PostgresStore(pg, schema=schema) as store, \
                 mq.subscribe(group, pattern, lease=LEASE, max_attempts=50) as sub:
 
