@@ -19,7 +19,7 @@ from mqabstract.model import Columns, DeadLetter, Envelope, GroupSpec, GroupStat
 from mqabstract.options import CLOCK, Option, parse_options
 from mqabstract.url import BrokerURL
 
-from .schema import DELAYED, READY, check_schema, decode_headers, encode_headers, migrate
+from .schema import READY, check_schema, decode_headers, encode_headers, migrate, rows
 from .store import Conn, Store
 from .subscription import PostgreSQLSubscription
 
@@ -140,20 +140,13 @@ class PostgreSQLDriver(Driver):
         # (a transaction costs a BEGIN and a COMMIT round trip: only when it is needed)
         with conn.transaction() if len(cuts) > 2 else contextlib.nullcontext():
             for start, stop in itertools.pairwise(cuts):
-                row = conn.execute(self.sql.publish,
-                                   (*(c[start:stop] for c in cols), version)).fetchone()
+                row = conn.execute(*self.sql.publish([c[start:stop] for c in cols], version,
+                                                     held=len(cuts) > 2)).fetchone()
                 if row is None or not row[0]:
                     raise _Stale  # the groups version moved; rolls back earlier chunks
 
     def publish(self, envelopes: Sequence[Envelope]) -> None:
-        def build() -> list[list[Any]]:
-            rows = [(gid, READY if env.deliver_at is None else DELAYED, env.deliver_at or 0.0,
-                     env.priority, env.key, env.id, env.topic, env.published_at,
-                     encode_headers(env.headers), env.body)
-                    for env in envelopes for gid in self._route(env.topic)]
-            return [list(col) for col in zip(*rows, strict=True)] if rows else [[]] * 10
-
-        self._insert(build)
+        self._insert(lambda: rows(envelopes, self._route))
 
     def publish_columns(self, columns: Columns) -> None:
         """One topic: routed once, headers encoded once when every row shares them, the

@@ -28,6 +28,7 @@ the transaction commits; no outbox row, no relay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -36,9 +37,9 @@ from typing import Any
 import psycopg
 
 from mqabstract.clock import Clock, SystemClock
+from mqabstract.emulation.routes import Routes
 from mqabstract.errors import InvalidArgument, MQError, NotFound, Timeout
 from mqabstract.model import Envelope, OutgoingMessage
-from mqabstract.names import topic_matcher
 from mqabstract.outbox.rows import (
     PARTS,
     Row,
@@ -51,7 +52,7 @@ from mqabstract.outbox.source import Source
 from mqabstract.url import BrokerURL
 
 from .driver import PostgreSQLDriver
-from .schema import DELAYED, READY, Statements, check_schema
+from .schema import Statements, check_schema, rows
 from .store import translate
 
 __all__ = ["CAPABILITIES", "PGOutbox", "insert", "publish_direct", "setup"]
@@ -61,6 +62,7 @@ _COLUMNS = ("part, id, topic, key, priority, deliver_at, expires_at, published_a
 _ROUTE_TRIES = 10
 #: What ``publish_direct`` checks messages against: the broker's own limits.
 CAPABILITIES = PostgreSQLDriver.CAPABILITIES
+_statements = functools.lru_cache(maxsize=32)(Statements)  # per schema, as a driver's
 
 
 def _lock_class(schema: str, what: str = "key") -> str:
@@ -144,23 +146,23 @@ def insert(conn: psycopg.Connection[Any], schema: str, rows: Sequence[Row]) -> N
 def publish_direct(conn: psycopg.Connection[Any], schema: str,
                    envelopes: Sequence[Envelope]) -> None:
     """Route and insert ``envelopes`` into the broker's queue rows of ``schema`` inside the
-    caller's transaction (the driver's statement: it writes only while the groups version
-    read is current; a group declared meanwhile makes it route again)."""
-    sql = Statements(check_schema(schema))
+    caller's transaction: the driver's own rows and statement (``Statements.publish``),
+    which writes into the partition that is current, NOTIFYs on commit, writes only while
+    the groups version read is current (a group declared meanwhile makes it route again),
+    and holds the partition's writer lock until the caller's transaction ends, so the
+    rotation cannot call the partition drained under an uncommitted row."""
+    sql = _statements(check_schema(schema))
     _check_transaction(conn)
     with _errors("outbox publish_direct", _where(conn)):
         for _ in range(_ROUTE_TRIES):
             found = conn.execute(sql.routes).fetchall()
             version = int(found[0][0])
-            routes = [(gid, topic_matcher(p)) for _, gid, p in found if gid is not None]
-            rows = [(gid, READY if e.deliver_at is None else DELAYED, e.deliver_at or 0.0,
-                     e.priority, e.key, e.id, e.topic, e.published_at,
-                     encode_headers(e.headers), e.body)
-                    for e in envelopes for gid, match in routes if match(e.topic)]
-            if not rows:
+            routes: Routes[int] = Routes()  # the driver's routing, as the driver loads it
+            routes.replace((gid, pattern) for _, gid, pattern in found if gid is not None)
+            cols = rows(envelopes, routes.groups_for)
+            if not cols[0]:
                 return  # no group takes these topics (a publish to them reaches no one)
-            row = conn.execute(sql.publish, (*[list(c) for c in zip(*rows, strict=True)],
-                                             version)).fetchone()
+            row = conn.execute(*sql.publish(cols, version, held=True)).fetchone()
             if row is not None and row[0]:
                 return
     raise Timeout(f"outbox publish_direct on {_where(conn)}: groups kept changing while "

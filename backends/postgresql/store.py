@@ -22,6 +22,7 @@ from mqabstract.emulation.wakeup import Waker
 from mqabstract.errors import Closed, ConnectionFailed, InvalidURL, MQError, Timeout
 from mqabstract.url import BrokerURL
 
+from .rotation import ROTATE_EVERY, rotate
 from .schema import Statements
 
 __all__ = ["Conn", "Listener", "Store", "Watchdog", "translate"]
@@ -176,8 +177,15 @@ class Store:
             "autocommit": True, "password": url.password,
             "application_name": f"mqabstract:{schema}",  # seen in pg_stat_activity
             "connect_timeout": max(2, math.ceil(connect_timeout)),  # libpq: whole s, >= 2
+            # Every statement finds its rows by an index; the planner, misled by a
+            # partition's few live rows among many dead ones, would scan it whole. (JIT
+            # off: that setting's cost penalty would make it compile every statement.)
+            "options": "-c enable_seqscan=off -c jit=off",
         }
-        self.sql = Statements(schema)
+        self.sql, self.schema = Statements(schema), schema
+        self._rotator: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.drained: tuple[int, ...] = ()  # partitions the hot statements skip
         self.clock, self.poll_interval = clock, poll_interval
         self.connect_timeout = connect_timeout
         self.waker = Waker()
@@ -227,14 +235,26 @@ class Store:
     def now(self) -> float:
         return self.clock.time()
 
+    def _rotate(self) -> None:
+        """The partition ring's pass (``rotation.rotate``) twice per rotation period; a
+        failed pass (a lost connection, anything else) is tried again on the next: the
+        thread must not end while the Broker is open."""
+        while not self._stop.wait(ROTATE_EVERY / 2):
+            with contextlib.suppress(Exception), self.conn("rotate") as conn:
+                self.drained = rotate(conn, self.schema)
+
     def notify(self, conn: Conn, gid: int) -> None:
         """Local receivers at once; other processes through NOTIFY (sent on commit)."""
         conn.execute(self.sql.notify, (str(gid),))
         self.waker.wake((gid,))
 
     def listen(self) -> None:
-        """Start the LISTEN thread once (unless ``listen=false``)."""
+        """Start the rotation thread and the LISTEN thread (unless ``listen=false``) once."""
         with self._lock:
+            if self._rotator is None and not self.closed:
+                self._rotator = threading.Thread(target=self._rotate, daemon=True,
+                                                 name=f"mq-rotate-{self.schema}")
+                self._rotator.start()
             if self._listen and self._listener is None and not self.closed:
                 self._listener = Listener(self.connect, self.sql.channel, self.waker)
 
@@ -249,7 +269,10 @@ class Store:
                 return
             self.closed = True
             listener, self._listener = self._listener, None
+        self._stop.set()
         self.waker.wake()  # receivers notice the close
+        if self._rotator is not None:  # a pass hung on a silent server: the watchdog
+            self._rotator.join(self.connect_timeout)  # cuts it within connect_timeout
         self.watchdog.stop()
         if listener is not None:
             listener.stop(self._poke)

@@ -257,6 +257,112 @@ def test_same_database_target_is_atomic_without_a_relay(db: Conn, schema: str,
             outbox.publish_direct(db, "bad topic", b"x", schema=schema)
 
 
+def test_direct_publish_goes_into_the_ring_like_the_drivers_and_is_delivered_once(
+        db: Conn, schema: str, server: str) -> None:
+    """publish_direct into the partition ring (docs/backends/postgresql.md, "Bloat"): the
+    row lands in the current partition with the columns the driver's publish writes; direct
+    publishes committed and rolled back while the ring rotates arrive once and never; and a
+    transaction held open across rotations keeps its partition from being called drained
+    (its row is not visible yet), so the row is delivered at commit even while a reader
+    pins the partition against truncation."""
+    from mqabstract.backends.postgresql.rotation import CURRENT, DRAINED, OPEN
+
+    plain = server.split("?")[0]
+    target = f"{plain}?schema={schema}"
+    with mqabstract.connect(target) as mq, psycopg.connect(plain, autocommit=True) as app, \
+            psycopg.connect(plain, autocommit=True) as reader:
+        sub = mq.subscribe("g", "t.#", lease=30)  # (a subscriber: the ring's pass runs)
+        fields: dict[str, Any] = {"headers": {"h": "1"}, "key": "k", "priority": 7}
+        mq.publish("t.same", b"same", id="by-driver", **fields)
+        with db.transaction():
+            outbox.publish_direct(db, "t.same", b"same", id="by-direct", schema=schema,
+                                  **fields)
+        cols = "gid, state, due, priority, attempts, token, key, topic, headers, body, part"
+        one, two = db.execute(f"SELECT {cols} FROM {schema}.mq_queue WHERE id IN"
+                              " ('by-driver', 'by-direct') ORDER BY id").fetchall()
+        assert one == two  # same columns, same partition (the ring has not moved yet)
+        assert sorted(m.id for m in _all(sub)) == ["by-direct", "by-driver"]
+
+        sent, rolled, got = {"held"}, set(), []
+        with db.transaction():
+            outbox.publish_direct(db, "t.held", b"held", id="held", schema=schema)
+            (held_in, current), = db.execute(
+                f"SELECT q.part, (SELECT part FROM {schema}.mq_parts WHERE state = {CURRENT})"
+                f" FROM {schema}.mq_queue q WHERE q.id = 'held'").fetchall()
+            assert held_in == current
+            reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")  # holds the xmin horizon
+            reader.execute(f"SELECT 1 FROM {schema}.mq_queue LIMIT 1").fetchall()  # and locks
+            deadline, n, since = time.monotonic() + 40, 0, None
+            while since is None or time.monotonic() - since < 3:  # 6 passes of the ring
+                assert time.monotonic() < deadline, "the ring did not move on in 40 s"
+                n += 1
+                mq.publish_batch([(f"t.{n}", b"x")] * 20)  # traffic: the ring rotates
+                sent |= {f"d{n}"}
+                with app.transaction():
+                    outbox.publish_direct(app, "t.d", b"d", id=f"d{n}", schema=schema)
+                with pytest.raises(RuntimeError), app.transaction():
+                    outbox.publish_direct(app, "t.r", b"r", id=f"r{n}", schema=schema)
+                    rolled.add(f"r{n}")
+                    raise RuntimeError("rolled back")
+                got += _all(sub, 0.05)
+                (state,), = db.execute(f"SELECT state FROM {schema}.mq_parts WHERE part = %s",
+                                       (held_in,)).fetchall()
+                assert state != DRAINED, "drained under an uncommitted direct publish"
+                if state == OPEN and since is None:
+                    since = time.monotonic()
+        deadline = time.monotonic() + 10  # committed; the reader still pins its partition
+        while "held" not in {m.id for m in got} and time.monotonic() < deadline:
+            got += _all(sub, 0.2)
+        assert "held" in {m.id for m in got}, "a committed direct publish was not delivered"
+        reader.rollback()
+        got += _all(sub, 1.0)
+    ids = [m.id for m in got if m.topic.startswith(("t.d", "t.r", "t.held"))]
+    assert sorted(ids) == sorted(sent)  # each committed one once, no rolled back one
+    assert len([m for m in got if m.body == b"x"]) == 20 * n
+    assert all(m.attempt == 1 for m in got)
+
+
+def test_direct_publish_from_a_snapshot_older_than_a_drain_is_delivered(
+        db: Conn, schema: str, server: str) -> None:
+    """A REPEATABLE READ transaction sees the ring as it was at its snapshot: its direct
+    publish lands in a partition that has since been drained (pruned by the claims). The
+    ring's pass sees the writer's lock and opens the partition again, so the row is
+    delivered at commit, even while a reader keeps the partition from being truncated."""
+    from mqabstract.backends.postgresql.rotation import DRAINED, OPEN
+
+    plain = server.split("?")[0]
+
+    def state_of(part: int) -> int:
+        return int(db.execute(f"SELECT state FROM {schema}.mq_parts WHERE part = %s",
+                              (part,)).fetchall()[0][0])
+
+    with mqabstract.connect(f"{plain}?schema={schema}") as mq, psycopg.connect(plain) as old, \
+            psycopg.connect(plain, autocommit=True) as reader:
+        sub = mq.subscribe("g", "t.#", lease=30)
+        old.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        (first,), = old.execute(f"SELECT part FROM {schema}.mq_parts WHERE state = 1")
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute(f"SELECT 1 FROM {schema}.mq_queue LIMIT 1").fetchall()  # pins them
+        deadline, got = time.monotonic() + 40, []
+        while state_of(first) != DRAINED:
+            assert time.monotonic() < deadline, "the first partition was not drained in 40 s"
+            mq.publish_batch([("t.x", b"x")] * 20)
+            got += _all(sub, 0.05)
+        outbox.publish_direct(old, "t.old", b"old", id="old", schema=schema)
+        (into,), = old.execute(f"SELECT part FROM {schema}.mq_queue WHERE id = 'old'")
+        assert into == first  # where its snapshot says rows go
+        deadline = time.monotonic() + 10
+        while state_of(first) != OPEN:
+            assert time.monotonic() < deadline, "the ring left a written partition drained"
+            time.sleep(0.1)
+        old.commit()
+        deadline = time.monotonic() + 10
+        while "old" not in {m.id for m in got} and time.monotonic() < deadline:
+            got += _all(sub, 0.2)
+        assert [m.id for m in got if m.id == "old"] == ["old"]
+        reader.rollback()
+
+
 def test_errors_name_no_secret(server: str) -> None:
     bad = server.split("?")[0].replace("@", "x@", 1)  # a wrong password
     with pytest.raises(ConnectionFailed) as info:

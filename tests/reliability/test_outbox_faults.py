@@ -125,16 +125,20 @@ class Killer:
         self.kills = 0  #: SIGKILLs from outside
         self.planned = 0  #: relays that killed themselves after the target confirmed
 
-    def kill_one(self) -> None:
+    def kill_one(self) -> bool:
+        """SIGKILL one relay and start another; False when every relay running is one with
+        a planned kill of its own (left to it)."""
         self.replace_dead()
-        i = self.rng.randrange(len(self.procs))
+        plain = [i for i, p in enumerate(self.procs) if not isinstance(p, _Proc)]
+        if not plain:
+            return False
+        i = self.rng.choice(plain)
         proc = self.procs[i]
-        if isinstance(proc, _Proc):
-            return  # a relay with a planned kill of its own is left to it
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         self.kills += 1
         self.procs[i] = self.start()
+        return True
 
     def replace_dead(self) -> None:
         """Restart relays that killed themselves (planned); any other exit fails."""
@@ -325,15 +329,23 @@ def test_bridge_sigkilled_at_random_moves_every_id(pg: str, tmp_path: Path,
             return _relay(bridge_src, dst, "--batch", "200", "--lease", str(LEASE), "--poll",
                           "0.2")
 
+        # Kills go by progress, not by the clock: one as the backlog passes each mark, so a
+        # bridge that moves its messages in two seconds is killed as often as a slow one
+        # (on a timer, a fast SQLite -> PostgreSQL bridge once finished with no kill).
+        marks = sorted((count * rng.uniform(lo, lo + 0.15) for lo in (0.1, 0.35, 0.6)),
+                       reverse=True)
         killer = Killer(2, start, rng)
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
-                time.sleep(rng.uniform(0.3, 1.2))
+                time.sleep(0.05)
                 st = a.stats(group)
-                if not (st.ready or st.leased or st.delayed):
+                left = sum(n or 0 for n in (st.ready, st.leased, st.delayed))
+                if not left:
                     break
-                killer.kill_one()
+                killer.replace_dead()
+                if marks and left <= marks[0] and killer.kill_one():
+                    marks.pop(0)
         finally:
             killer.stop()
         with outbox.Relay(bridge_src, b, lease=LEASE) as last:  # what the last ones left
