@@ -709,3 +709,65 @@ def test_a_cut_between_copy_and_ack_never_sends_attempts_back(
         assert _going_back(seen) == {}, seen
     finally:
         mq.delete_group(group)
+
+
+def _cut_after_publish_written(mq: mqabstract.Broker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Arm a cut of the publisher's connection: the first time a publish waits for its
+    confirms, its frames are written out, the broker is given time to route it, and the
+    socket is shut down before the confirm is read (a confirm lost in a network cut)."""
+    pub: Any = mq._driver._pub  # type: ignore[attr-defined]
+    real_wait = type(pub)._wait
+    cut: list[int] = []
+
+    def wait(self: Any, pend: Any, deadline: float) -> None:
+        if not cut:
+            cut.append(1)
+            transport = self.conn._impl._transport
+            while transport.get_write_buffer_size():  # the publish leaves the socket
+                transport._on_socket_writable()
+            sock = self.conn._impl._transport._sock
+            until = time.monotonic() + 0.3  # routed and stored; its confirm is lost
+            while time.monotonic() < until:
+                with contextlib.suppress(BlockingIOError):
+                    sock.recv(65536)
+                time.sleep(0.01)
+            sock.shutdown(socket.SHUT_RDWR)
+        real_wait(self, pend, deadline)
+
+    monkeypatch.setattr(type(pub), "_wait", wait)
+    return cut
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])
+def test_a_publish_whose_confirm_was_lost_is_not_sent_twice(
+        mq: mqabstract.Broker, token: str, monkeypatch: pytest.MonkeyPatch,
+        batch: bool) -> None:
+    """The publisher's connection is lost after the broker stored a message and before its
+    confirm came back. The driver cannot know whether it was stored: it must not send it
+    again on a new connection by itself (each copy would count attempts from 1: one id
+    delivered at attempt 2 and then at attempt 1, test_container_fault[rabbitmq-cut]), but
+    report it as not confirmed (retryable), leaving the choice to the caller."""
+    group, pattern, topic = f"pubcut-{token}", f"{token}.#", f"{token}.p"
+    mq.declare(group, pattern, lease=30.0)
+    try:
+        cut = _cut_after_publish_written(mq, monkeypatch)
+        sent = [f"{token}-{i}" for i in range(3 if batch else 1)]
+        error: mqabstract.MQError | None = None
+        try:
+            if batch:
+                mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=mid)
+                                  for mid in sent])
+            else:
+                mq.publish(topic, b"x", id=sent[0])
+        except mqabstract.MQError as exc:
+            error = exc
+        assert cut
+        mq.publish(topic, b"after", id=f"{token}-after")  # the publisher reconnects
+        with mq.subscribe(group, pattern, lease=30.0) as sub:
+            seen = _attempts_in_order(sub, {f"{token}-after", *sent})
+        ids = [m for m, _ in seen]
+        assert len(ids) == len(set(ids)), f"sent twice: {seen}"
+        assert isinstance(error, (mqabstract.ConnectionFailed, mqabstract.PublishError))
+        assert error.retryable and "may have been published" in str(error), error
+    finally:
+        mq.delete_group(group)
