@@ -711,6 +711,73 @@ def test_a_cut_between_copy_and_ack_never_sends_attempts_back(
         mq.delete_group(group)
 
 
+def _cut_after_commit(inner: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Arm a cut: once a transaction that carries copies (a publish on the consumer's
+    channel) has sent its tx.commit and the frames left the socket, shut the socket down,
+    as a lease watchdog racing a woken process, a kill or a network cut may. The broker
+    gets the whole transaction and then the end of the connection. Returns a list that
+    gets the number of copies when the cut happened."""
+    cut: list[int] = []
+    copies: list[int] = [0]
+    real_publish = pika.channel.Channel.basic_publish
+    real_commit = pika.channel.Channel.tx_commit
+
+    def publish(ch: Any, *args: Any, **kwargs: Any) -> None:
+        if ch is inner._io.ch:
+            copies[0] += 1
+        real_publish(ch, *args, **kwargs)
+
+    def commit(ch: Any, *args: Any, **kwargs: Any) -> None:
+        real_commit(ch, *args, **kwargs)
+        if cut or ch is not inner._io.ch or not copies[0]:
+            return
+        cut.append(copies[0])
+        transport = inner._io.conn._transport
+
+        def when_written() -> None:
+            if transport.get_write_buffer_size():
+                inner._link.ioloop.call_later(0.001, when_written)
+                return
+            transport._sock.shutdown(socket.SHUT_RDWR)
+
+        when_written()
+
+    monkeypatch.setattr(pika.channel.Channel, "basic_publish", publish)
+    monkeypatch.setattr(pika.channel.Channel, "tx_commit", commit)
+    return cut
+
+
+@pytest.mark.parametrize("count", [5, 60])
+def test_a_cut_after_a_big_commit_never_sends_attempts_back(
+        mq: mqabstract.Broker, token: str, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """An idle consumer hands its unread buffer (up to ``prefetch`` messages) back by copy,
+    the copies and their originals' acks in one transaction, and the connection is cut
+    right after the broker got the tx.commit. RabbitMQ 3.10's quorum queue client stashes a
+    channel's acks while more than 32 of its commands wait to be applied (the soft limit
+    of ``rabbit_fifo_client``), so with more copies than that in one commit the copies were
+    enqueued and the acks died with the channel: every original came back counted (attempt
+    2) beside its copy (attempt 1). Whatever comes, one id's attempts must strictly
+    increase in delivery order, and nothing is lost."""
+    group, pattern, topic = f"cutc-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=30.0)
+    try:
+        ids = set(mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                                    for i in range(count + 1)]))
+        with mq.subscribe(group, pattern, lease=30.0) as sub:
+            inner: Any = sub._inner
+            [first] = _drain(sub, 1)
+            _until(lambda: len(inner._held.buf) == count)  # the rest wait, unread
+            first.ack()
+            _until(lambda: not inner._held.acks)
+            cut = _cut_after_commit(inner, monkeypatch)
+            _until(lambda: bool(cut))  # idle: paused, buffer handed back, then cut
+            seen = [(first.id, first.attempt), *_attempts_in_order(sub, ids - {first.id})]
+        assert ids <= {m for m, _ in seen}, "lost"
+        assert _going_back(seen) == {}, {m: a for m, a in _going_back(seen).items()}
+    finally:
+        mq.delete_group(group)
+
+
 def _cut_after_publish_written(mq: mqabstract.Broker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Arm a cut of the publisher's connection: the first time a publish waits for its
     confirms, its frames are written out, the broker is given time to route it, and the
