@@ -153,7 +153,10 @@ def private_rabbit(tmp_path: Path) -> Iterator[object]:
 @pytest.mark.slow
 def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> None:
     """Publisher and consumer keep running while the node stops and starts again: every
-    message whose publish returned is received afterwards (duplicates are allowed)."""
+    message whose publish returned is received afterwards (duplicates are allowed). A
+    publish the restart caught between its send and its confirm is in doubt: it raises a
+    retryable error, and the publisher sends it again with the same id (the documented
+    recovery; the broker may then hold it twice)."""
     node = private_rabbit
     mq = mqabstract.connect(node.url, publish_timeout=90, connect_timeout=5)  # type: ignore[attr-defined]
     group = "restart-" + secrets.token_hex(3)
@@ -164,13 +167,24 @@ def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> N
     stop = threading.Event()
     total = 1000
 
+    retried: list[BaseException] = []
+
     def publish() -> None:
         try:
             for i in range(total):
-                if i % 10 == 0:
-                    confirmed.extend(mq.publish_batch([(f"r.{i}", f"{j}") for j in range(5)]))
-                else:
-                    confirmed.append(mq.publish(f"r.{i}", f"{i}"))
+                while True:
+                    try:
+                        if i % 10 == 0:
+                            confirmed.extend(mq.publish_batch([
+                                mqabstract.OutgoingMessage(f"r.{i}", f"{j}", id=f"r{i}-{j}")
+                                for j in range(5)]))
+                        else:
+                            confirmed.append(mq.publish(f"r.{i}", f"{i}", id=f"r{i}"))
+                        break
+                    except mqabstract.MQError as exc:
+                        if not exc.retryable or len(retried) >= 20:
+                            raise
+                        retried.append(exc)  # in doubt or not sent: again, same ids
                 time.sleep(0.005)
         except BaseException as exc:
             errors.append(exc)
@@ -205,7 +219,7 @@ def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> N
         stop.set()
         threads[1].join(30)
     assert not errors, errors
-    assert len(confirmed) == total + total // 10 * 4 > at_restart
+    assert len(set(confirmed)) == total + total // 10 * 4 > at_restart
     missing = set(confirmed) - received
     assert not missing, f"{len(missing)} confirmed messages never arrived"
     sub.close()
