@@ -331,9 +331,12 @@ class _Publisher:
         with self.lock:
             while todo and time.monotonic() < deadline:
                 pend = _Pending(len(todo))
-                try:
-                    if self.conn is not None and self.conn.is_open and self._usable():
+                if self.conn is not None and self.conn.is_open and self._usable():
+                    try:
                         self._check_idle()
+                    except (*_CONN_ERRORS, pex.AMQPError) as exc:
+                        self._drop(exc)  # gone while idle: opened again at once
+                try:
                     if self.conn is None or not self.conn.is_open or not self._usable():
                         self._open()
                 except (*_CONN_ERRORS, pex.AMQPError) as exc:

@@ -227,6 +227,23 @@ def test_restart_mid_run_loses_no_confirmed_message(private_rabbit: object) -> N
     mq.close()
 
 
+@pytest.mark.slow
+def test_a_restart_between_publishes_puts_nothing_in_doubt(private_rabbit: object) -> None:
+    """The node restarts while the publisher's connection sits idle: the next publish finds
+    the connection closed before it sends anything (it reads the broker's close first), so
+    it opens a new one and returns, instead of sending into the dead connection and
+    raising "may have been published"."""
+    node = private_rabbit
+    with mqabstract.connect(node.url, publish_timeout=90, connect_timeout=5) as mq:  # type: ignore[attr-defined]
+        mq.declare("idle-restart", "i.#", lease=30)
+        mq.publish("i.a", b"before", id="before")
+        node.restart()  # type: ignore[attr-defined]
+        mq.publish("i.a", b"after", id="after")  # no ConnectionFailed
+        with mq.subscribe("idle-restart", "i.#", lease=30) as sub:
+            got = _drain(sub, 2, timeout=30.0, ack=True)
+        assert sorted(m.id for m in got) == ["after", "before"]
+
+
 # ----------------------------------------------------------------------------------------
 # frozen and killed consumers (the lease watchdog)
 
