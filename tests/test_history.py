@@ -138,6 +138,46 @@ def _attempts_go_back() -> History:
     return h
 
 
+def _overlapping(first: tuple[float, float], second: tuple[float, float], killed: float,
+                 acked: float | None = 3.06) -> History:
+    """``g``: attempt 1 to w4 by a receive call ``first`` (start, return), attempt 2 to w2
+    by a receive call ``second``; w4 is killed at ``killed`` holding it, w2 acks it at
+    ``acked``. (The chaos runs' "attempt 2, then attempt 1": w2's receive call waited,
+    w4's returned at once from its buffer, w4 was killed, and the broker gave the message
+    back to w2's waiting call, counted.)"""
+    h = clean()
+    h.publish("g", "dig-g")
+    h.receiving("w4", 0.0, None)
+    h.deliver("g", 1, "w4", first[0], first[0] + LEASE, "dig-g", returned=first[1])
+    h.killed("w4", killed)
+    h.deliver("g", 2, "w2", second[0], second[0] + LEASE, "dig-g", returned=second[1])
+    if acked is not None:
+        h.settle("g", "w2", ACK_STARTED, acked)
+        h.settle("g", "w2", ACKED, acked)
+    h.effect("g")
+    return h
+
+
+def _attempts_lower_after_higher_returned() -> History:
+    # w2's call returned attempt 2 (2.95) before w4's call even started (3.0)
+    return _overlapping((3.0, 3.001), (2.9, 2.95), killed=3.02, acked=2.96)
+
+
+def _attempts_back_in_one_call() -> History:
+    # two copies of "g" in one receive call of w2: attempt 2, then attempt 1
+    h = _overlapping((3.0, 3.001), (3.0, 3.001), killed=3.02, acked=3.005)
+    h.deliveries = [d for d in h.deliveries if d.id != "g"]
+    h.deliver("g", 2, "w2", 3.0, 3.0 + LEASE, "dig-g", returned=3.001)
+    h.deliver("g", 1, "w2", 3.0, 3.0 + LEASE, "dig-g", returned=3.001)
+    return h
+
+
+def _second_holder_long_poll_before_the_kill() -> History:
+    # w2's waiting call got attempt 2 at 3.01 at the latest; w4 (attempt 1, not settled)
+    # was killed only at 3.05: two holders at once
+    return _overlapping((3.0, 3.001), (2.98, 3.01), killed=3.05)
+
+
 def _second_holder_early() -> History:
     h = clean()  # a second holder gets "a" while w1's lease runs and before w1's ack
     h.deliver("a", 2, "w2", 0.15, 2.15, "dig-a", returned=0.18)
@@ -231,8 +271,11 @@ BREAKS: dict[str, Callable[[], History]] = {
     "attempts/repeat": _attempts_repeat,
     "attempts/third-copy": _attempts_third_copy,
     "attempts/go-back": _attempts_go_back,
+    "attempts/lower-after-a-returned-higher": _attempts_lower_after_higher_returned,
+    "attempts/back-in-one-receive-call": _attempts_back_in_one_call,
     "second-holder/early": _second_holder_early,
     "second-holder/frozen-holder": _second_holder_frozen_holder,
+    "second-holder/long-poll-returned-before-the-kill": _second_holder_long_poll_before_the_kill,
     "release/late-after-kill": _release_late,
     "release/late-after-freeze": _release_late_after_freeze,
     "release/late-after-receiver-starts": lambda: _late_receiver(6.0 + 2 * TOLERANCE),
@@ -356,6 +399,9 @@ def _dead_letter_explicit() -> History:
 BOUNDARIES: dict[str, Callable[[], History]] = {
     "lost/ack-in-doubt": _lost_in_doubt,
     "attempts/copy-restarts-at-1": _attempts_copy_restart,
+    # w2's call started first but returned attempt 2 after w4 got attempt 1 and was killed
+    "attempts/long-poll-returned-after-a-kill":
+        lambda: _overlapping((3.0, 3.001), (2.98, 3.05), killed=3.02),
     "second-holder/within-tolerance-of-deadline": _second_holder_at_deadline,
     "second-holder/settled-during-receive": _second_holder_right_after_settle,
     "second-holder/holder-killed": _second_holder_after_kill,

@@ -387,16 +387,23 @@ class RabbitMQDriver(Driver):
                     pend.failed[returned[j]] = "the delay tier queue is missing"
                 for j, why in retry.failed.items():
                     pend.failed[returned[j]] = why
+                pend.doubt += [returned[j] for j in retry.doubt]
         acked = set(pend.acked)
         if len(acked) == len(envelopes):
             return
         failed: dict[int, MQError] = {}
         why = self._pub.last_error or "connection lost"
+        doubt = set(pend.doubt)
         for i in range(len(envelopes)):
             if i in acked:
                 continue
             if i in pend.failed:
                 failed[i] = MQError(f"rabbitmq: {pend.failed[i]}")
+            elif i in doubt:
+                failed[i] = ConnectionFailed(
+                    f"rabbitmq at {self._where}: the connection was lost before the broker "
+                    f"confirmed the message ({why}); it may have been published: publishing "
+                    "it again may deliver it twice")
             else:
                 failed[i] = ConnectionFailed(
                     f"rabbitmq at {self._where}: not confirmed within "

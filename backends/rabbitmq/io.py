@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 import time
 from collections import OrderedDict, deque
@@ -58,17 +59,23 @@ class _Item:
 
 class _Pending:
     """Confirmation state of one group of publishes; ``done`` runs once all are settled.
+    Besides acked, refused (``failed``) and returned, a publish can be ``lost`` (never
+    handed to a channel: safe to send again) or in ``doubt`` (handed to a channel that went
+    away before its confirm came: the broker may have stored it, so sending it again may
+    make a second copy of the message).
 
     Settled by whichever thread reads the confirms (a publisher's caller or the I/O
     thread), under its own lock; waiters use ``event``."""
 
-    __slots__ = ("acked", "event", "failed", "left", "lock", "lost", "on_done", "returned")
+    __slots__ = ("acked", "doubt", "event", "failed", "left", "lock", "lost", "on_done",
+                 "returned")
 
     def __init__(self, n: int, on_done: Callable[[_Pending], None] | None = None) -> None:
         self.left = n
         self.acked: list[int] = []
         self.failed: dict[int, str] = {}
         self.lost: list[int] = []
+        self.doubt: list[int] = []
         self.returned: list[int] = []
         self.event = threading.Event()
         self.on_done = on_done
@@ -84,6 +91,8 @@ class _Pending:
                 self.returned.append(j)
             elif outcome == "lost":
                 self.lost.append(j)
+            elif outcome == "doubt":
+                self.doubt.append(j)
             else:
                 self.failed[j] = why
             self.left -= 1
@@ -106,7 +115,8 @@ class _Confirms:
 
     Not thread-safe: used only by the thread that owns the channel (the ``_Publisher``
     lock holder, or the I/O thread for a subscription's copy channel). It never re-sends:
-    on a new channel whatever was unconfirmed is settled "lost" for the caller to decide."""
+    on a new channel whatever was sent and not confirmed is settled "doubt" (the broker may
+    have it), what could not be sent "lost", for the caller to decide."""
 
     def __init__(self) -> None:
         self.out: OrderedDict[int, tuple[_Pending, int, tuple[str, str, str] | None]] = (
@@ -117,13 +127,14 @@ class _Confirms:
         self._returned: set[int] = set()
 
     def reset(self) -> None:
-        """A new channel: tags restart at 1; whatever was unconfirmed is lost."""
+        """A new channel: tags restart at 1; whatever was sent and not confirmed is in
+        doubt (it may have reached the broker, only its confirm was lost)."""
         out, self.out = self.out, OrderedDict()
         self.tag = 0
         self._returns.clear()
         self._returned.clear()
         for pend, j, _key in out.values():
-            pend.settle(j, "lost")
+            pend.settle(j, "doubt")
 
     def send(self, publish: Callable[..., Any] | None, items: Sequence[_Item], pend: _Pending,
              usable: Callable[[], bool]) -> None:
@@ -144,7 +155,7 @@ class _Confirms:
             try:
                 publish(item.exchange, item.routing_key, item.body, item.props,
                         mandatory=item.must_route)
-            except Exception as exc:  # channel/connection went away under us
+            except Exception as exc:  # the channel or connection was closed: not sent
                 log.debug("publish failed on the wire: %s", exc)
                 if self.out.pop(tag, None) is not None:
                     pend.settle(j, "lost")
@@ -195,7 +206,9 @@ def _noop() -> None:
 
 
 def _merge(result: _Pending, pend: _Pending, todo: list[int]) -> list[int]:
-    """Fold one attempt's outcome into ``result``; return the indexes to send again."""
+    """Fold one attempt's outcome into ``result``; return the indexes to send again: those
+    never sent. Those in doubt are not sent again (the broker may have them: a second copy
+    of one id would count its attempts from 1 again); the caller hears of them."""
     with pend.lock:
         for j in pend.acked:
             result.settle(todo[j], "ack")
@@ -203,6 +216,8 @@ def _merge(result: _Pending, pend: _Pending, todo: list[int]) -> list[int]:
             result.settle(todo[j], "returned")
         for j, why in pend.failed.items():
             result.settle(todo[j], "nack", why)
+        for j in pend.doubt:
+            result.settle(todo[j], "doubt")
         return [todo[j] for j in sorted(pend.lost)]
 
 
@@ -212,8 +227,14 @@ class _Publisher:
     confirm mode is switched on at the pika channel implementation (``_impl``), so
     BlockingChannel does not wait per message; acks arrive through ``process_data_events``.
     One caller at a time (``lock``, held for the whole publish); a lost connection is
-    re-opened and the unconfirmed re-sent until the timeout. Refused (basic.nack) and
-    returned messages are reported, never re-sent here."""
+    re-opened and what was never sent is sent until the timeout. What was sent and lost
+    its confirm with the connection is in doubt and never re-sent here (the broker may
+    have stored it: a second copy of one id would count its attempts from 1 again, one id
+    delivered at attempt 2 and then 1); it is reported, and the caller decides. Refused
+    (basic.nack) and returned messages are reported, never re-sent here either. Before
+    sending on a connection that sat idle, it reads what the broker sent meanwhile, so a
+    connection the broker closed (a restart) is replaced first and nothing is put in doubt
+    by sending into it."""
 
     def __init__(self, params: list[pika.ConnectionParameters], where: str) -> None:
         self.params = params
@@ -257,6 +278,22 @@ class _Publisher:
     def _usable(self) -> bool:
         return self.ch is not None and self.ch.is_open
 
+    def _check_idle(self) -> None:
+        """Read what arrived on the open connection since the last publish (a close from
+        the broker, the end of the stream): raises if the connection is gone. One poll
+        of the socket when nothing arrived."""
+        conn = self.conn
+        assert conn is not None
+        sock = getattr(getattr(conn._impl, "_transport", None), "_sock", None)
+        if sock is None:
+            return
+        try:
+            readable = select.select([sock], [], [], 0)[0]
+        except (OSError, ValueError):
+            readable = [sock]
+        if readable:
+            conn.process_data_events(time_limit=0)
+
     def _publish_fn(self, count: int) -> Callable[..., None]:
         """Buffer every publish at the channel implementation; ``_wait`` flushes them to
         the socket together while it waits for their confirms (BlockingChannel's own
@@ -285,7 +322,8 @@ class _Publisher:
                 ioloop.remove_timeout(timer)
 
     def publish(self, items: Sequence[_Item], timeout: float) -> _Pending:
-        """Publish and wait for confirms, re-sending across reconnects until ``timeout``."""
+        """Publish and wait for confirms; what was never sent is sent across reconnects
+        until ``timeout``, what is in doubt is not (``_Pending.doubt``)."""
         deadline = time.monotonic() + timeout
         result = _Pending(len(items))
         todo = list(range(len(items)))
@@ -293,6 +331,11 @@ class _Publisher:
         with self.lock:
             while todo and time.monotonic() < deadline:
                 pend = _Pending(len(todo))
+                if self.conn is not None and self.conn.is_open and self._usable():
+                    try:
+                        self._check_idle()
+                    except (*_CONN_ERRORS, pex.AMQPError) as exc:
+                        self._drop(exc)  # gone while idle: opened again at once
                 try:
                     if self.conn is None or not self.conn.is_open or not self._usable():
                         self._open()

@@ -20,13 +20,28 @@ Rules:
     published, nor with other bytes than published; nothing is acked that was never
     delivered.
 ``attempts``
-    Per id, attempts strictly increase in delivery order: deliveries ordered by the start
-    of the receive call that returned them (the lease origin). An id published more than
-    once (a retry of a publish that failed or was never confirmed: each attempt is
-    recorded, confirmed or maybe) is more than one message on the broker: its attempts may
-    start again at 1 once per extra copy.
+    Per id, attempts strictly increase in delivery order: the order in which the receive
+    calls handed the deliveries over. The history knows each hand-over only to within its
+    receive call, between the call's start (the lease origin) and its return (a call
+    whose return is unknown: at its start). Where two calls do not overlap their order is
+    known; where they do (a call that waited, as a long poll does, while another one
+    returned at once from its buffer), either order is possible, and the attempts must fit
+    one of them: in attempt order, each delivery handed over no earlier than the one
+    before it, and one holder's in the order it received them (its calls run one after
+    another; one call returns its messages in order). So one attempt twice is always a
+    violation, and so are a lower attempt returned by a call that started after the call
+    with the higher one had returned, and a lower attempt after a higher one to the same
+    holder (two copies of one id in one receive call, as in the cut runs).
+    (Ordering by the start alone, as before, took a waiting call's later hand-over for an
+    earlier one: attempt 1 returned at once to w4, w4 killed, its message given back,
+    counted, to w2's call that had been waiting since before, read as "2, then 1".) An id
+    published more than once (a retry of a publish that failed or was never confirmed:
+    each attempt is recorded, confirmed or maybe) is more than one message on the broker:
+    its attempts may start again at 1 once per extra copy, and its deliveries are taken in
+    receive-start order.
 ``second-holder``
-    No second holder while an earlier holder's lease is valid: a delivery must not be
+    No second holder while an earlier holder's lease is valid, in delivery order (as for
+    ``attempts``): a delivery must not be
     handed over before the previous delivery's lease deadline unless that previous
     delivery was settled (acked, nacked, dead-lettered) before, or its holder was gone by
     then (killed, or its session with the broker lost: a broker restart or a cut connection
@@ -246,10 +261,18 @@ class History:
         return {s.id for s in self.settles if s.outcome == ACKED}
 
     def by_id(self) -> dict[str, list[Delivery]]:
-        """Each id's deliveries ordered by the start of their receive call."""
+        """Each id's deliveries in delivery order (module docstring, ``attempts``): in
+        attempt order where their receive calls allow that order, else (and for ids
+        published more than once) ordered by the start of their receive call."""
+        copies = self.copies()
         out: dict[str, list[Delivery]] = defaultdict(list)
         for d in sorted(self.deliveries, key=lambda d: (d.start, d.seq)):
             out[d.id].append(d)
+        for mid, ds in out.items():
+            if len(ds) > 1 and copies.get(mid, 0) <= 1:
+                by_attempt = sorted(ds, key=lambda d: (d.attempt, d.start, d.seq))
+                if by_attempt != ds and _fits_calls(by_attempt):
+                    out[mid] = by_attempt
         return out
 
     def settles_of(self) -> dict[tuple[str, str], list[Settle]]:
@@ -291,6 +314,23 @@ class History:
             if f.kind in (KILLED, SESSION_LOST):
                 out[f.holder].append(f.at)
         return out
+
+
+def _fits_calls(ds: list[Delivery]) -> bool:
+    """Whether deliveries could have been handed over in this order: each one within its
+    receive call (start .. return; start, if the return is unknown) and no earlier than
+    the one before it, and one holder's in the order it received them (its calls one after
+    another, a call's messages in the order it returned them)."""
+    t = -math.inf
+    last: dict[str, tuple[float, int]] = {}
+    for d in ds:
+        t = max(t, d.start)
+        if t > (d.start if d.returned is None else d.returned) + TOLERANCE:
+            return False
+        if last.get(d.holder, (-math.inf, -1)) > (d.start, d.seq):
+            return False
+        last[d.holder] = (d.start, d.seq)
+    return True
 
 
 def _sample(items: Iterable[object], n: int = 5) -> str:
@@ -345,12 +385,13 @@ def rule_attempts(h: History) -> list[str]:
                 continue
             broken = True
         if broken:
-            where = ", ".join(f"{d.attempt}@{d.start:.3f}/{d.holder}" for d in ds)
+            where = ", ".join(f"{d.attempt}@{d.start:.3f}..{_t(d.returned)}/{d.holder}"
+                              for d in ds)
             bad.append(f"{mid} [{where}] ({copies.get(mid, 0)} publish(es))")
     if not bad:
         return []
-    return [f"[attempts] attempts not strictly increasing per id in receive-start order "
-            f"(attempt@start/holder): {_sample(bad, 4)}"]
+    return [f"[attempts] attempts not strictly increasing per id in delivery order "
+            f"(attempt@call start..return/holder, in that order): {_sample(bad, 4)}"]
 
 
 # -- c. no second holder while a lease is valid -------------------------------------------

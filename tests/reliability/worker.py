@@ -92,6 +92,15 @@ class LateDeliveries(mqabstract.Middleware):
                     out("LATE", msg.id, msg.attempt, now())
 
 
+if os.environ.get("MQ_WORKER_LOG_DIR"):  # each worker's DEBUG log in <dir>/<pid>.log
+    import logging
+    logging.basicConfig(filename=os.path.join(os.environ["MQ_WORKER_LOG_DIR"],
+                                              f"{os.getpid()}.log"),
+                        level=logging.DEBUG,
+                        format="%(created).3f %(threadName)s %(name)s %(message)s")
+    logging.getLogger("pika").setLevel(logging.INFO)
+
+
 def connect(url: str) -> mqabstract.Broker:
     return mqabstract.connect(url, middleware=[LateDeliveries()])
 
