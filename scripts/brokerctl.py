@@ -903,7 +903,7 @@ class PrivateMoto(_Managed):
                 f"(`{self.python} -m pip install 'moto[server]'`) or pass --python / set "
                 "MQ_BROKERS_PYTHON to an interpreter that has it"
             )
-        # moto's server, with its receive made atomic (see scripts/moto_server.py)
+        # moto's server, with its queue writes made atomic (see scripts/moto_server.py)
         argv = [self.python, str(REPO / "scripts" / "moto_server.py"), "-H", HOST,
                 "-p", str(self.port)]
         return self._spawn(argv, _clean_env())

@@ -474,6 +474,50 @@ def test_private_moto_never_hands_one_message_to_two_receives(tmp_path: Path) ->
     assert {body: n for body, n in seen.items() if n > 1} == {}
 
 
+#: moto's ``Queue.delete_message`` caught between its lookup and the list it assigns back:
+#: another thread deletes ``b`` and sends ``late`` meanwhile (a fan-out from SNS).
+_DELETE_RACE = """
+import importlib.util, sys, threading
+spec = importlib.util.spec_from_file_location("moto_server", sys.argv[1])
+moto_server = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(moto_server)
+moto_server._patch()
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.sqs.models import Message, sqs_backends
+sqs = sqs_backends[DEFAULT_ACCOUNT_ID]["us-east-1"]
+sqs.create_queue("q")
+for body in ("a", "b"):
+    sqs.send_message("q", body)
+a, b = sqs.receive_message("q", 2, 0, 60)
+other = threading.Thread(target=lambda: (sqs.delete_message("q", b.receipt_handle),
+                                         sqs.send_message("q", "late")))
+plain, calls = Message.had_receipt_handle, []
+def hooked(self, handle):
+    if threading.current_thread() is threading.main_thread():
+        calls.append(handle)
+        if len(calls) == 2:  # delete(a) found it and is rebuilding the list
+            other.start()
+            other.join(1.0)  # patched: it waits for the queue's lock
+    return plain(self, handle)
+Message.had_receipt_handle = hooked
+sqs.delete_message("q", a.receipt_handle)
+other.join()
+print(" ".join(sorted(m.body for m in sqs.get_queue("q")._messages)))
+"""
+
+
+def test_private_moto_delete_never_drops_a_concurrent_send() -> None:
+    """scripts/moto_server.py makes moto's delete hold the queue's lock: plain moto rebuilt
+    the message list unlocked and assigned it back, so a message sent meanwhile was lost
+    (never received: the SQS chaos scenario's "lost" ids in CI) and a message deleted
+    meanwhile came back. Here plain moto leaves ``b``; the patched one ``late``."""
+    pytest.importorskip("moto")
+    out = subprocess.run([sys.executable, "-c", _DELETE_RACE,
+                          str(REPO / "scripts" / "moto_server.py")],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["late"], out.stdout + out.stderr
+
+
 def test_private_broker_files_run_on_one_worker(request: pytest.FixtureRequest) -> None:
     """This file is in the private-brokers group, and under ``--dist loadgroup`` xdist sees it.
 
