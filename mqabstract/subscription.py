@@ -204,6 +204,7 @@ class Subscription:
             fresh: list[Message] = []
             ended: list[Delivery] = []
             replies: list[Delivery] = []
+            missed: list[Delivery] = []  # counted deliveries the lease ran out on here
             unseen = keeper.unseen if keeper is not None else None
             for delivery in batch:
                 if unseen and delivery.id in unseen:
@@ -213,10 +214,12 @@ class Subscription:
                     replies.append(delivery)
                     continue
                 if dead_letters and delivery.attempt > spec.max_attempts:
-                    if self._broker._monotonic() < lease_deadline:  # else: it comes again
+                    if self._broker._monotonic() < lease_deadline:
                         self._expire(delivery)
                         if keeper is not None:
                             keeper.forget(delivery)
+                    else:  # it comes again
+                        missed.append(delivery)
                     continue
                 if delivery.headers and _EXPIRES_AT in delivery.headers:
                     now = now or self._broker._now()
@@ -227,7 +230,8 @@ class Subscription:
                         continue
                 fresh.append(Message(delivery, self, lease_deadline))
             if (replies or ended) and self._broker._monotonic() >= lease_deadline:
-                replies, ended = [], []  # too late to settle them: they come again
+                missed += replies + ended  # too late to settle them: they come again
+                replies, ended = [], []
             if replies:
                 try:
                     self._ack_away(replies)
@@ -242,7 +246,11 @@ class Subscription:
                 log.warning("receive from group %r: %d messages outlived their lease "
                             "while others were settled; they are delivered again",
                             spec.name, len(fresh))
-                fresh = []
+                gone, fresh = fresh, []
+            else:
+                gone = []
+            if (missed or gone) and chain.settlers:  # as for a late batch: seen by nobody
+                self._gone([*gone, *(Message(d, self, 0.0) for d in missed)])
             if keeper is not None and fresh:
                 fresh = keeper.admit(fresh)
             out += fresh

@@ -145,6 +145,47 @@ def test_a_late_receive_settles_nothing(mq: mqabstract.Broker, clock: FakeClock,
     assert dl.reason.startswith("expired" if what == "ttl-ended" else "max attempts")
 
 
+def test_deliveries_the_lease_ran_out_on_while_others_settled_are_told(
+        clock: FakeClock) -> None:
+    """Dead-lettering a batch's exhausted messages one by one may use up the lease (a slow
+    broker): the exhausted ones after that and the fresh ones of the batch are handed to
+    nobody and come again, and middleware hears of each as ``expired``, as of a late batch
+    (an SQS chaos run saw dead letters with more attempts than the deliveries it knew of)."""
+    heard: list[tuple[str, str, int]] = []
+
+    class Listen(mqabstract.Middleware):
+        def settled(self, sub: object, op: str, messages: Any, started_ns: int,
+                    error: object) -> None:
+            heard.extend((op, m.id, m.attempt) for m in messages)
+
+    with mqabstract.connect(f"memory://slowdl-{uuid.uuid4().hex}", clock=clock,
+                            middleware=[Listen()]) as mq:
+        sub = mq.subscribe("g", "a.#", lease=30, max_attempts=1)
+        old = [mq.publish("a.b", b"old") for _ in range(2)]
+        assert len(sub.receive(2, 0)) == 2  # attempt 1 of 1, never settled
+        clock.advance(31)
+        new = mq.publish("a.b", b"new")
+        inner = sub._inner  # type: ignore[attr-defined]
+        real = inner.dead_letter
+
+        def slow_dead_letter(*args: Any) -> None:
+            real(*args)
+            clock.advance(31)  # the first dead-lettering took the rest of the lease
+
+        inner.dead_letter = slow_dead_letter
+        assert sub.receive(3, 0) == []
+        first, second = old  # the memory reference returns them in publish order
+        assert heard == [("dead_letter", first, 2), ("expired", new, 1),
+                         ("expired", second, 2)]
+        inner.dead_letter = real
+        clock.advance(31)
+        # Back, the second at attempt 3 and the new one at 2 (its unseen delivery counted):
+        # both past max_attempts now, dead-lettered with the deliveries they had.
+        assert sub.receive(3, 0) == []
+        assert sorted((d.id, d.attempts) for d in mq.dead_letters("g")) == sorted(
+            [(first, 1), (second, 2), (new, 1)])
+
+
 @pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
 def test_driver_reported_lost_lease_leaves_the_message_unsettled(
         mq: mqabstract.Broker, op: str) -> None:
