@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -168,9 +169,16 @@ def test_chaos_freezes_and_kills(backend: str, rel_url: str, reporter: Reporter)
                 busy(rng.uniform(0.5, 1.5))
                 i = rng.randrange(len(workers))
                 if fault == "freeze":
+                    # The thaw is on its own timer: a worker frozen inside a SQLite write
+                    # transaction holds the file's lock, so this thread's top-up publish
+                    # waits for it, and a thaw queued behind that publish never came (the
+                    # publish hit its 10 s busy timeout: a test deadlock, not the backend's).
+                    frozen_for = rng.uniform(0.3, 1.5) * CHAOS_LEASE
                     workers[i].freeze()
-                    busy(rng.uniform(0.3, 1.5) * CHAOS_LEASE)  # the other two go on
-                    workers[i].thaw()
+                    thaw = threading.Timer(frozen_for, workers[i].thaw)
+                    thaw.start()
+                    busy(frozen_for)  # the other two go on
+                    thaw.join()
                     freezes += 1
                 else:
                     workers[i].kill()
