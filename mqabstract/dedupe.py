@@ -145,20 +145,23 @@ PRUNE_EVERY = 1000
 
 
 class PruneCounter:
-    """Counts records across threads; ``due()`` is true once every ``PRUNE_EVERY`` calls,
-    when a durable store deletes its expired and surplus ids (SQLite, PostgreSQL)."""
+    """Counts records across threads and calls ``prune(now)`` once every ``PRUNE_EVERY``
+    of them: when a durable store deletes its expired and surplus ids (SQLite,
+    PostgreSQL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prune: Callable[[float], object]) -> None:
+        self._prune = prune
         self._lock = threading.Lock()
         self._since = 0
 
-    def due(self) -> bool:
+    def record(self, now: float) -> None:
+        """Count one record; prune (on this thread) when it is the ``PRUNE_EVERY``-th."""
         with self._lock:
             self._since += 1
             if self._since < PRUNE_EVERY:
-                return False
+                return
             self._since = 0
-            return True
+        self._prune(now)
 
 
 class SQLiteStore(DedupeStore):
@@ -189,7 +192,7 @@ class SQLiteStore(DedupeStore):
         self._conns: dict[threading.Thread, tuple[sqlite3.Connection, threading.RLock]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._prunes = PruneCounter()
+        self._prunes = PruneCounter(self.prune)
         self._pid = os.getpid()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -264,7 +267,7 @@ class SQLiteStore(DedupeStore):
         now = self._time()
         self._run("record", lambda c: c.execute(
             _RECORD, (*key, now)))
-        self._maybe_prune(now)
+        self._prunes.record(now)
 
     @contextlib.contextmanager
     def transaction(self, msg: Message) -> Iterator[sqlite3.Connection]:
@@ -302,11 +305,7 @@ class SQLiteStore(DedupeStore):
             if isinstance(exc, sqlite3.Error):
                 raise self._error("transaction", exc) from exc
             raise
-        self._maybe_prune(now)
-
-    def _maybe_prune(self, now: float) -> None:
-        if self._prunes.due():
-            self.prune(now)
+        self._prunes.record(now)
 
     def prune(self, now: float | None = None) -> int:
         """Forget expired ids and the oldest beyond ``max_entries``; returns how many."""

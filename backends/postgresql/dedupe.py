@@ -56,7 +56,7 @@ class PostgresStore(DedupeStore):
         self._one: Conn | None = None
         self._own = False
         self._lock = threading.RLock()
-        self._prunes = PruneCounter()
+        self._prunes = PruneCounter(self.prune)
         if isinstance(target, str):
             url = BrokerURL.parse(target)
             if url.scheme not in ("postgresql", "postgres") or not url.hosts or not url.path:
@@ -152,7 +152,7 @@ class PostgresStore(DedupeStore):
             f"INSERT INTO {s}.mq_processed (grp, id, at) VALUES (%s, %s, %s)"
             " ON CONFLICT (grp, id) DO UPDATE SET at = excluded.at, seq = excluded.seq",
             (*key, now)))
-        self._maybe_prune(now)
+        self._prunes.record(now)
 
     @contextlib.contextmanager
     def transaction(self, msg: Message) -> Iterator[Conn]:
@@ -169,11 +169,7 @@ class PostgresStore(DedupeStore):
                 raise Duplicate(f"message {key[1]!r} was already processed by group "
                                 f"{key[0]!r}")
             yield conn
-        self._maybe_prune(now)
-
-    def _maybe_prune(self, now: float) -> None:
-        if self._prunes.due():
-            self.prune(now)
+        self._prunes.record(now)
 
     def prune(self, now: float | None = None) -> int:
         """Forget expired ids and the oldest beyond ``max_entries``; returns how many."""
