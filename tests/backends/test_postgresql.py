@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -84,22 +84,26 @@ def test_rows_seen_with_plain_sql_carry_the_fake_clocks_lease(
 
 
 def test_a_row_inserted_by_plain_sql_is_received_with_defaults(
-        mq: mqabstract.Broker, server: str, schema: str) -> None:
-    sub = mq.subscribe("g", "raw.#")
-    ((gid,),) = _sql(server, f"SELECT gid FROM {schema}.mq_groups WHERE name = 'g'")
-    got: list[mqabstract.Message] = []
-    waiter = threading.Thread(target=lambda: got.extend(sub.receive(wait=10)))
-    waiter.start()
-    time.sleep(0.2)  # the receiver is waiting (a real wait: it is what NOTIFY must end)
-    started = time.monotonic()
-    _sql(server, f"INSERT INTO {schema}.mq_queue (gid, state, due, priority, attempts, token,"
-                 " id, topic, published_at, body) VALUES (%s, 0, 0, 0, 0, 0, 'plain-1',"
-                 " 'raw.x', 0, 'hi')", gid)
-    _sql(server, "SELECT pg_notify(%s, %s)", f"mq_{schema}", str(gid))
-    waiter.join(10)
-    assert [(m.id, m.topic, m.body, m.attempt) for m in got] == [("plain-1", "raw.x", b"hi", 1)]
-    assert time.monotonic() - started < 0.4  # woken by the NOTIFY, not the 0.5 s poll
-    got[0].ack()
+        url: str, server: str, schema: str, clock: FakeClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row and a NOTIFY written by hand wake a waiting receiver: its poll is a minute
+    apart, so only the notification can end its wait before the join gives up."""
+    with mqabstract.connect(url, clock=clock, poll_interval=60) as mq:
+        sub = mq.subscribe("g", "raw.#")
+        ((gid,),) = _sql(server, f"SELECT gid FROM {schema}.mq_groups WHERE name = 'g'")
+
+        def insert_and_notify() -> None:
+            _sql(server, f"INSERT INTO {schema}.mq_queue (gid, state, due, priority, attempts,"
+                         " token, id, topic, published_at, body) VALUES (%s, 0, 0, 0, 0, 0,"
+                         " 'plain-1', 'raw.x', 0, 'hi')", gid)
+            _sql(server, "SELECT pg_notify(%s, %s)", f"mq_{schema}", str(gid))
+
+        spy = _WaitSpy(mq, monkeypatch)
+        got = _received_while_waiting(sub, spy, insert_and_notify, server, schema)
+        assert [(m.id, m.topic, m.body, m.attempt) for m in got] == [
+            ("plain-1", "raw.x", b"hi", 1)]
+        assert spy.waits and spy.waits[-1][1]  # a wake ended it, not the minute's poll
+        got[0].ack()
 
 
 # -- time: decided on the injected clock ----------------------------------------------------------
@@ -150,30 +154,73 @@ def test_rotation_truncates_under_a_reader_and_moves_stragglers_forward(
 
 
 # -- waking: NOTIFY, and polling when notifications are lost ---------------------------------------
-def _latency(receiver: mqabstract.Subscription, publisher: mqabstract.Broker,
-             wait: float) -> float:
+class _WaitSpy:
+    """Every idle wait of one broker's receivers: its length and whether a wake (True) or
+    its timeout (False) ended it. Whether NOTIFY woke a receiver is read here, not timed."""
+
+    def __init__(self, broker: mqabstract.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+        waker = broker._driver.store.waker  # type: ignore[attr-defined]
+        real = waker.wait
+        self.waits: list[tuple[float, bool]] = []
+        self.waiting = threading.Event()
+
+        def wait(gid: int, seen: tuple[int, int], seconds: float) -> bool:
+            self.waiting.set()  # seen was stamped before the look: a wake from now on counts
+            woken: bool = real(gid, seen, seconds)
+            self.waits.append((seconds, woken))
+            return woken
+
+        monkeypatch.setattr(waker, "wait", wait)
+
+
+def _listening(server: str, schema: str) -> bool:
+    rows = _sql(server, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle'"
+                        " AND query LIKE %s", f"LISTEN mq_{schema}%")
+    return rows != [(0,)]
+
+
+def _received_while_waiting(receiver: mqabstract.Subscription, spy: _WaitSpy,
+                            send: Callable[[], None], server: str,
+                            schema: str | None) -> list[mqabstract.Message]:
+    """Once the receiver is idle in a 60 s receive (and, with ``schema``, its broker's
+    LISTEN is in place), ``send``; what it got within 30 s. Nothing but a wake or a poll
+    shorter than 30 s can deliver before then."""
+    if schema is not None:
+        for _ in range(300):
+            if _listening(server, schema):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the broker's LISTEN connection was not in place within 15 s")
     got: list[mqabstract.Message] = []
-    waiter = threading.Thread(target=lambda: got.extend(receiver.receive(wait=wait)))
+    spy.waiting.clear()
+    waiter = threading.Thread(target=lambda: got.extend(receiver.receive(wait=60)))
     waiter.start()
-    time.sleep(0.3)  # let the receiver settle into its wait
-    started = time.monotonic()
-    publisher.publish("t", b"x")
-    waiter.join(wait + 5)
-    assert len(got) == 1
-    got[0].ack()
-    return time.monotonic() - started
+    assert spy.waiting.wait(30), "the receiver never went idle"
+    send()
+    waiter.join(30)
+    assert not waiter.is_alive(), f"still waiting after 30 s; its waits: {spy.waits}"
+    return got
 
 
-def test_listen_wakes_a_receiver_of_another_connection_before_its_poll(url: str) -> None:
-    with mqabstract.connect(url, poll_interval=5) as consumer, mqabstract.connect(url) as producer:
+def test_listen_wakes_a_receiver_of_another_connection_before_its_poll(
+        url: str, schema: str, server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with mqabstract.connect(url, poll_interval=60) as consumer, \
+            mqabstract.connect(url) as producer:
         sub = consumer.subscribe("g", "t")
-        assert _latency(sub, producer, wait=10) < 1.0
+        spy = _WaitSpy(consumer, monkeypatch)
+        got = _received_while_waiting(sub, spy, lambda: producer.publish("t", b"x"),
+                                      server, schema)
+        assert [m.body for m in got] == [b"x"]
+        assert spy.waits[-1][1]  # woken; the poll was a minute away
+        got[0].ack()
 
 
 def test_without_notifications_a_receiver_still_gets_messages_within_its_poll(
-        url: str, server: str) -> None:
+        url: str, server: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """listen=false stands for a pooler in transaction mode, where NOTIFYs never arrive:
-    the consumer holds no LISTEN connection and still receives within poll_interval."""
+    the consumer holds no LISTEN connection, never idles longer than poll_interval between
+    looks, and so receives what another process publishes."""
     with mqabstract.connect(url, listen=False, poll_interval=0.3) as consumer, \
             mqabstract.connect(url) as producer:
         sub = consumer.subscribe("g", "t")
@@ -181,8 +228,13 @@ def test_without_notifications_a_receiver_still_gets_messages_within_its_poll(
                                  " %s", f"LISTEN mq_{url.rsplit('=', 1)[1]}%")
         assert listening == [(0,)]
         assert consumer.capabilities.release_margin == pytest.approx(0.3 + 0.25)
-        took = [_latency(sub, producer, wait=10) for _ in range(3)]
-        assert max(took) < 0.3 + 0.25, took
+        spy = _WaitSpy(consumer, monkeypatch)
+        for n in range(3):
+            got = _received_while_waiting(
+                sub, spy, lambda n=n: producer.publish("t", str(n).encode()), server, None)
+            assert [m.body for m in got] == [str(n).encode()]
+            got[0].ack()
+        assert spy.waits and all(0 < s <= 0.3 and not woken for s, woken in spy.waits)
 
 
 # -- one statement per batch ---------------------------------------------------------------------
