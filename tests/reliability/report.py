@@ -29,6 +29,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                     "poison"):
             if isinstance(row.get(col), int):
                 cell[col] += row[col]
+        if "lost" not in row and "lost" in row.get("skipped_rules", ()):
+            cell.setdefault("lost_unjudged", 1)
     lines = [
         "| scenario | backend | injected | messages | delivered | duplicates | dead-lettered "
         "| lost |",
@@ -54,6 +56,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             if c.get("in_flight"):
                 messages += f" (+{c['in_flight']} in flight)"
         lost = str(c.get("lost", 0))
+        if c.get("lost_unjudged") and "lost" not in c:  # every run skipped the rule
+            lost = "not judged (the scenario says why)"
         if c.get("ack_in_doubt"):
             lost += (f" ({c['ack_in_doubt']} acked by a consumer killed inside ack(): "
                      "not redelivered, in doubt)")

@@ -55,7 +55,10 @@ def _emit(ledger: Ledger, reporter: Reporter, *, release_margin: float | None,
     rules this scenario cannot judge, with why), report its counts (also when it is about
     to fail) and return the violations."""
     problems = ledger.problems(release_margin=release_margin, skip=skip)
-    counts = {**ledger.summary(), **row}  # (a scenario may count some itself)
+    summary = ledger.summary()
+    for rule in skip or ():  # the ledger did not judge it: its count would claim it held
+        summary.pop(rule, None)
+    counts = {**summary, **row}  # (a scenario may count some itself, e.g. by effects)
     reporter.emit(**counts, problems=len(problems),
                   **({"skipped_rules": sorted(skip)} if skip else {}))
     return problems
