@@ -282,6 +282,8 @@ BREAKS: dict[str, Callable[[], History]] = {
     "release/late-after-a-receiver-that-died-within-margin":
         lambda: _receiver_killed_at(2.5, 6.0 + 2 * TOLERANCE),
     "release/late-for-a-receiver-that-stayed": lambda: _receiver_killed_at(3.1, 4.0),
+    "release/late-even-to-a-call-a-kill-cut-short":
+        lambda: _released_to_a_cut_call(3.0 + 2 * TOLERANCE),
     "dead-letters/early": _dead_letter_early,
     "dead-letters/twice": _dead_letter_twice,
     "dead-letters/beyond-max": _delivered_beyond_max,
@@ -362,6 +364,24 @@ def _late_receiver(start: float) -> History:
     return h
 
 
+def _released_to_a_cut_call(cut_start: float) -> History:
+    """w1 is killed holding "b" (deadline 2.0); w2 receives from 1.5 on, so "b" is due by
+    3.0. w3's receive call, from ``cut_start``, is cut short by a kill: it took attempt 2
+    unrecorded, and "b" came back to w2 as attempt 3 after w3's lease."""
+    h = History(max_attempts=3)
+    h.publish("b", "dig-b")
+    h.receiving("w1", 0.0, None)
+    h.receiving("w2", 1.5, None)
+    h.deliver("b", 1, "w1", 0.0, 2.0, "dig-b", returned=0.1)
+    h.killed("w1", 1.0)
+    h.killed("w3", cut_start + 0.5)
+    h.cut_short("w3", cut_start, cut_start + 0.5)
+    back = cut_start + LEASE
+    h.deliver("b", 3, "w2", back, back + LEASE, "dig-b", returned=back + 0.1)
+    h.settle("b", "w2", ACKED, back + 0.2)
+    return h
+
+
 def _release_waits_for_a_receiver() -> History:
     return _late_receiver(6.0)  # due by max(2.0, 5.0) + 1.0
 
@@ -410,6 +430,8 @@ BOUNDARIES: dict[str, Callable[[], History]] = {
     "release/waits-for-a-receiver": _release_waits_for_a_receiver,
     "release/receiver-died-within-margin": lambda: _receiver_killed_at(2.5, 6.0),
     "release/thawed-before-deadline": _release_short_freeze,
+    "release/unrecorded-delivery-to-a-call-a-kill-cut-short":
+        lambda: _released_to_a_cut_call(2.1),
     "dead-letters/explicit-reason": _dead_letter_explicit,
     "dead-letters/late-deliveries-past-max": _late_past_max,
     "dead-letters/a-kill-cut-a-receive-short": _cut_short,

@@ -3,9 +3,11 @@
     worker.py consume URL GROUP PATTERN LEASE MAX_ATTEMPTS IDLE KILL SEED [BATCH [WORK]]
         print ``READY pid t``, then receive up to BATCH (default 5) at a time, printing
         ``CALLING start`` before and ``CALL start returned n`` after each receive call (a
-        ``CALLING`` without its ``CALL``: a kill cut that call short); per message
-        print ``RECV id attempt digest origin deadline returned``, "process" it (sleep up to
-        WORK seconds, default 0.02), then ``ACKING id t``,
+        ``CALLING`` without its ``CALL``: a kill cut that call short); then the
+        ``RECV id attempt digest origin deadline returned`` line of every message the call
+        returned (all before processing any: a kill mid-batch must not hide the rest, which
+        the broker counted and this process held), and per message "process" it (sleep up
+        to WORK seconds, default 0.02), then ``ACKING id t``,
         ack, ``ACKED id t``. KILL is ``none`` or ``PHASE:N``: SIGKILL itself when the Nth
         message reaches PHASE (``recv``: before acking, ``acking``: just before the ack
         call, ``acked``: right after it). A message with header ``poison=crash`` kills the
@@ -135,9 +137,10 @@ def consume(url: str, group: str, pattern: str, lease: float, max_attempts: int,
                 break
             continue
         last = time.monotonic()
+        for msg in msgs:  # the call handed every one over: all are held from here on
+            recv_line(msg, lease, returned)
         for msg in msgs:
             seen += 1
-            recv_line(msg, lease, returned)
             if msg.headers.get("poison") == "crash":
                 die()
             if phase == "recv" and seen == kill_at:
