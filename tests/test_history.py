@@ -351,35 +351,38 @@ def _release_at_bound() -> History:
                              returned=3.1)
 
 
-def _late_receiver(start: float) -> History:
-    """w1 is killed holding "b"; nobody else receives until w2 starts at 5.0."""
+def _b_killed_in_w1(w2_from: float) -> History:
+    """w1 receives "b" (attempt 1, deadline 2.0) and is killed at 1.0; w2 receives from
+    ``w2_from`` on."""
     h = History(max_attempts=3)
     h.publish("b", "dig-b")
     h.receiving("w1", 0.0, None)
-    h.receiving("w2", 5.0, None)
+    h.receiving("w2", w2_from, None)
     h.deliver("b", 1, "w1", 0.0, 2.0, "dig-b", returned=0.1)
     h.killed("w1", 1.0)
-    h.deliver("b", 2, "w2", start, start + LEASE, "dig-b", returned=start + 0.1)
+    return h
+
+
+def _back_to_w2(h: History, attempt: int, start: float) -> History:
+    """"b" delivered to w2 as ``attempt`` from ``start`` and acked."""
+    h.deliver("b", attempt, "w2", start, start + LEASE, "dig-b", returned=start + 0.1)
     h.settle("b", "w2", ACKED, start + 0.2)
     return h
+
+
+def _late_receiver(start: float) -> History:
+    """w1 is killed holding "b"; nobody else receives until w2 starts at 5.0."""
+    return _back_to_w2(_b_killed_in_w1(5.0), 2, start)
 
 
 def _released_to_a_cut_call(cut_start: float) -> History:
     """w1 is killed holding "b" (deadline 2.0); w2 receives from 1.5 on, so "b" is due by
     3.0. w3's receive call, from ``cut_start``, is cut short by a kill: it took attempt 2
     unrecorded, and "b" came back to w2 as attempt 3 after w3's lease."""
-    h = History(max_attempts=3)
-    h.publish("b", "dig-b")
-    h.receiving("w1", 0.0, None)
-    h.receiving("w2", 1.5, None)
-    h.deliver("b", 1, "w1", 0.0, 2.0, "dig-b", returned=0.1)
-    h.killed("w1", 1.0)
+    h = _b_killed_in_w1(1.5)
     h.killed("w3", cut_start + 0.5)
     h.cut_short("w3", cut_start, cut_start + 0.5)
-    back = cut_start + LEASE
-    h.deliver("b", 3, "w2", back, back + LEASE, "dig-b", returned=back + 0.1)
-    h.settle("b", "w2", ACKED, back + 0.2)
-    return h
+    return _back_to_w2(h, 3, cut_start + LEASE)
 
 
 def _release_waits_for_a_receiver() -> History:
