@@ -144,6 +144,9 @@ class _Reader(Reader):
         low, _ = self._watermarks(tp)
         return low
 
+    def known_position(self, tp: TP) -> int | None:
+        return self.next.get(tp)  # absent: seeked to the beginning (``seek`` with None)
+
     def _watermarks(self, tp: TP, timeout: float | None = None) -> tuple[int, int]:
         try:
             low, high = self.c.get_watermark_offsets(

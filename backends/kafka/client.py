@@ -253,6 +253,11 @@ class Reader(abc.ABC):
     def position(self, tp: TP) -> int:
         """The offset of the next record ``poll`` returns for ``tp``."""
 
+    def known_position(self, tp: TP) -> int | None:
+        """``position`` if this consumer knows it without asking a broker, else None
+        (then it reads ``tp`` from the beginning): what a replacement is seeked to."""
+        return self.position(tp)
+
     @abc.abstractmethod
     def end_offsets(self, tps: Collection[TP], timeout: float | None = None
                     ) -> dict[TP, int]:

@@ -18,7 +18,7 @@ from mqabstract.errors import LeaseExpired, MQError
 from mqabstract.names import topic_matches
 from mqabstract.url import redact
 
-from .client import TP, Fetched
+from .client import TP, Fetched, Reader
 from .errors import transient
 from .names import HASHED, INTERNAL, slot, unescape
 from .state import Rec
@@ -232,6 +232,7 @@ class DataReader(GroupMember):
                     self.data_seen[tp] = now  # idle, not stalled: again in _STALL_AFTER
         except Exception as exc:  # (a check: never what stops the data thread)
             log.debug("kafka: stall check of %s: %s", self.spec.name, redact(str(exc))[:300])
+            self._replace_if_cut_off(idle, probe_end)
             return
         if not behind:
             return
@@ -240,7 +241,7 @@ class DataReader(GroupMember):
                     self.spec.name, _STALL_AFTER,
                     {f"{t}[{p}]": v for (t, p), v in sorted(behind.items())})
         try:
-            self._renew_reader()
+            self._renew_reader(self.d.client.reader(self.d.settings))
         except Exception as exc:
             log.warning("kafka: new consumer of %s not started (tried again in %.0fs): %s",
                         self.spec.name, _STALL_AFTER, redact(str(exc))[:300])
@@ -251,15 +252,58 @@ class DataReader(GroupMember):
         # of what read_committed returns) is not repeated every round.
         self.next_stall_check = time.monotonic() + _STALL_AFTER * 6
 
-    def _renew_reader(self) -> None:
-        """Replace the data consumer by a new one at the same assignment and positions:
-        the partitions we own at their positions; the others (taken back or adopted
-        later) are positioned by ``_refresh_data`` as before."""
+    def _replace_if_cut_off(self, idle: Sequence[TP], probe_end: float) -> None:
+        """After the data consumer failed to read end offsets: ask a new consumer, and if
+        that one can, the data consumer is cut off from brokers that are up, and the new
+        one takes over.
+
+        Seen in a whole-cluster restart (fault sitting of 27 Nov): every other client of
+        the process reconnected, while librdkafka's data consumer failed every request with
+        ``_ALL_BROKERS_DOWN`` for over a minute and fetched nothing, so the stall check,
+        which asked that same consumer, could never act (28 confirmed ids undelivered).
+        While the brokers are really away the new consumer fails too and is dropped: the
+        cost is one consumer made and closed per round of the check, and this round's
+        wait is bounded by ``_STALL_PROBE`` (at least half of it for the new consumer).
+        """
+        try:
+            fresh = self.d.client.reader(self.d.settings)
+        except Exception as exc:
+            log.debug("kafka: stall check of %s: no new consumer: %s", self.spec.name,
+                      redact(str(exc))[:300])
+            return
+        try:
+            left = max(probe_end - time.monotonic(), _STALL_PROBE / 2)
+            fresh.end_offsets(idle[:1], timeout=left)
+        except Exception as exc:  # the brokers are away for everyone: wait for them
+            log.debug("kafka: stall check of %s: a new consumer cannot read either: %s",
+                      self.spec.name, redact(str(exc))[:300])
+            self._close_later(fresh)
+            return
+        log.warning("kafka: consumer of %s cannot reach the brokers while a new consumer "
+                    "can; the new one takes over", self.spec.name)
+        try:
+            self._renew_reader(fresh)
+        except Exception as exc:
+            log.warning("kafka: new consumer of %s not started (tried again in %.0fs): %s",
+                        self.spec.name, _STALL_AFTER / 2, redact(str(exc))[:300])
+
+    def _close_later(self, reader: Reader) -> None:
+        """Close a consumer off the data thread: a wedged one's close may hang."""
+        threading.Thread(target=reader.close, name=f"mqa-kafka-close-{self.spec.name}",
+                         daemon=True).start()
+
+    def _renew_reader(self, new: Reader) -> None:
+        """Replace the data consumer by ``new`` (a fresh reader, which this takes over and
+        closes on failure) at the same assignment and positions: the partitions we own at
+        their positions; the others (taken back or adopted later) are positioned by
+        ``_refresh_data`` as before. Positions are what the old consumer knows locally: a
+        partition it has no record position for starts from the beginning in the new one
+        too, as it would have in the old."""
         with self.lock:
             owned = [tp for tp in self.data_assigned if tp in self.parts]
-        positions = {tp: self.data.position(tp) for tp in owned}
-        old, new = self.data, self.d.client.reader(self.d.settings)
+        old = self.data
         try:
+            positions = {tp: old.known_position(tp) for tp in owned}
             new.assign(self.data_assigned)
             new.seek(positions)
         except Exception:
@@ -269,9 +313,7 @@ class DataReader(GroupMember):
         now = time.monotonic()
         for tp in positions:
             self.data_seen[tp] = now
-        # The old consumer may be wedged: its close must not hold the data thread.
-        threading.Thread(target=old.close, name=f"mqa-kafka-close-{self.spec.name}",
-                         daemon=True).start()
+        self._close_later(old)  # it may be wedged
 
     def _start_offsets(self, tps: Collection[TP]) -> dict[TP, int | None]:
         """Where a group starts on partitions it never committed: its declaration time.

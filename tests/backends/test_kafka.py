@@ -474,6 +474,49 @@ def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
         assert inner.data is not wedged
 
 
+def test_a_data_consumer_cut_off_from_every_broker_is_replaced(url, names) -> None:
+    """In a whole-cluster restart (fault sitting, 27 Nov) librdkafka's data consumer came
+    back cut off: it fetched nothing and failed every request with ``_ALL_BROKERS_DOWN``
+    for over a minute while the brokers were up, so the stall check, which asked that same
+    consumer for end offsets, could never act. Cut off here the same way (its partitions
+    paused inside librdkafka, its end-offset query failing as it did): a new consumer that
+    can reach the brokers must take over and the records written after arrive."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from mqabstract.backends.kafka.ck_base import classify
+
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=30)
+        first = mq.publish(f"{root}.a", b"before")
+        got = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = sub.receive(1, 1.0)
+        assert [m.id for m in got] == [first]
+        got[0].ack()
+        inner = sub._inner
+        wedged = inner.data
+        asked: list[int] = []
+
+        def all_brokers_down(tps: object, timeout: float | None = None) -> dict:
+            asked.append(1)
+            raise classify(KafkaException(KafkaError(KafkaError._ALL_BROKERS_DOWN)))
+
+        wedged.c.pause(wedged.c.assignment())
+        wedged.end_offsets = all_brokers_down
+        later = [mq.publish(f"{root}.a", f"after {i}".encode()) for i in range(5)]
+        seen: list[str] = []
+        deadline = time.monotonic() + 45
+        while len(seen) < 5 and time.monotonic() < deadline:
+            for msg in sub.receive(5, 1.0):
+                seen.append(msg.id)
+                msg.ack()
+        assert asked, "the stall check never asked the cut-off consumer"
+        assert sorted(seen) == sorted(later)
+        assert inner.data is not wedged
+
+
 @pytest.mark.parametrize("client", ["confluent", "kafka-python"])
 def test_a_full_buffer_stops_fetching_and_a_drained_one_resumes(url, client) -> None:
     """Over ``max_buffered`` the data thread stops polling its reader (it does not pause
