@@ -83,13 +83,15 @@ class LeaseExpired(MQError):
     It never reached the broker: the message will be delivered again with attempt + 1, to
     this or another consumer. Not retryable (the lease is gone); not a handler failure.
     ``receipts``: set by a driver when only some receipts of a batch settle were stale
-    (empty: all of them, or not known).
+    (empty: all of them, or not known). ``ids``: the messages whose lease ran out, set by
+    the portable layer (empty when a driver raised it).
     """
 
     def __init__(self, message: str, *, index: int | None = None,
-                 receipts: tuple[object, ...] = ()) -> None:
+                 receipts: tuple[object, ...] = (), ids: tuple[str, ...] = ()) -> None:
         super().__init__(message, index=index)
         self.receipts = receipts
+        self.ids = ids
 
 
 class Duplicate(MQError):

@@ -65,12 +65,21 @@ class Source(Protocol):
     def ack_many(self, messages: Iterable[Message]) -> None: ...
 
 
+#: Ids a ``LeaseExpired`` about many messages names in its text (all are in ``ids``).
+_NAMED = 10
+
+
 def _ran_out(late: Sequence[Message]) -> LeaseExpired:
+    """The error for settles refused after the lease: its text names the messages (the
+    first ``_NAMED``), ``ids`` holds them all."""
     first = late[0]
-    what = (f"message {first.id} (attempt {first.attempt})" if len(late) == 1
-            else f"{len(late)} messages (first: {first.id}, attempt {first.attempt})")
+    if len(late) == 1:
+        what = f"message {first.id} (attempt {first.attempt})"
+    else:
+        more = f" and {len(late) - _NAMED} more" if len(late) > _NAMED else ""
+        what = f"{len(late)} messages ({', '.join(m.id for m in late[:_NAMED])}{more})"
     return LeaseExpired(f"{what}: the lease ran out before this settle; delivered again with "
-                        "the next attempt")
+                        "the next attempt", ids=tuple(m.id for m in late))
 
 
 class Message:
