@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import registry
+from .batch import Batch
 from .broker import Backoff, Broker, ConsumeStats, Message, Subscription
 from .capabilities import Capabilities, Feature, Support
 from .clock import Clock, FakeClock, SystemClock
@@ -56,6 +57,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AlreadySettled",
     "Backoff",
+    "Batch",
     "Broker",
     "BrokerURL",
     "Capabilities",

@@ -41,6 +41,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from . import connect as _connect_sync
+from .batch import AsyncBatch
 from .broker import Broker, Message, Subscription
 from .capabilities import Capabilities
 from .checks import check_count as _check_count
@@ -61,11 +62,12 @@ from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 from .outgoing import _batch_publishing, _with
 from .requests import ReplyRoute
 
-__all__ = ["AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
+__all__ = ["AsyncBatch", "AsyncBroker", "AsyncMessage", "AsyncSubscription", "connect"]
 
 log = logging.getLogger("mqabstract")
 
 T = TypeVar("T")
+_Got = TypeVar("_Got", bound=Sequence[Message])  # what a receive returns: a list or a Batch
 
 #: Longest single wait of a ``receive`` on a pool thread (seconds).
 SLICE = 0.5
@@ -213,21 +215,36 @@ class AsyncSubscription:
         """Up to ``max_messages`` messages, waiting up to ``wait`` seconds for the first;
         the sync ``receive``'s checks and lease rule. Cancellation hands back what the
         pending slice returns."""
+        got = await self._sliced(self.subscription.receive, max_messages, wait)
+        return [AsyncMessage(m, self) for m in got]
+
+    async def receive_batch(self, max_messages: int = 100, wait: float = 0.0
+                            ) -> AsyncBatch[AsyncMessage]:
+        """``Subscription.receive_batch``: up to ``max_messages`` messages as one
+        ``AsyncBatch``, waiting up to ``wait`` seconds for the first; empty when none
+        arrived. Cancellation hands back what the pending slice returns."""
+        got = await self._sliced(self.subscription.receive_batch, max_messages, wait)
+        return AsyncBatch(got, self._run, lambda m: AsyncMessage(m, self))
+
+    async def _sliced(self, receive: Callable[[int, float], _Got], max_messages: int,
+                      wait: float) -> _Got:
+        """``receive`` on the pool in slices of at most ``SLICE`` seconds until something
+        arrives or ``wait`` is over (checked first, as the sync call does)."""
         sub = self.subscription
         sub._check_open()
         _check_count(max_messages, "max_messages")
         deadline = time.monotonic() + _check_seconds(wait, "wait", math.inf)
         while True:
             left = max(0.0, deadline - time.monotonic())
-            future = self._run.submit(contextvars.copy_context().run, sub.receive,
+            future = self._run.submit(contextvars.copy_context().run, receive,
                                       max_messages, min(left, SLICE))
             try:
-                got = await asyncio.wrap_future(future)
+                got: _Got = await asyncio.wrap_future(future)
             except asyncio.CancelledError:
                 future.add_done_callback(functools.partial(_hand_back, sub))
                 raise
             if got or left <= SLICE or sub.closed:
-                return [AsyncMessage(m, self) for m in got]
+                return got
 
     async def ack_many(self, messages: Iterable[AsyncMessage]) -> None:
         """``Subscription.ack_many``: one driver call for many acks."""
@@ -295,7 +312,7 @@ class AsyncSubscription:
         return f"Async{self.subscription!r}"
 
 
-def _hand_back(sub: Subscription, future: concurrent.futures.Future[list[Message]]) -> None:
+def _hand_back(sub: Subscription, future: concurrent.futures.Future[_Got]) -> None:
     """A cancelled receive's slice came back with messages nobody will see: release them."""
     if not future.cancelled() and future.exception() is None:
         sub._release(future.result())

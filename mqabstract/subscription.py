@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Protocol
 
 from . import wire
+from .batch import Batch, receive_batch
 from .capabilities import Feature
 from .checks import check_count as _check_count
 from .checks import check_seconds as _check_seconds
@@ -262,6 +263,15 @@ class Subscription:
             if chain.receivers:
                 chain.received(self, out, started)
         return out
+
+    def receive_batch(self, max_messages: int = 100, wait: float = 0.0) -> Batch:
+        """Up to ``max_messages`` messages as one ``Batch`` (columns, one lease, whole-batch
+        settles), waiting up to ``wait`` seconds for the first; empty when none arrived.
+
+        ``receive`` called until the batch is full or nothing more is ready, so every rule
+        of ``receive`` holds for each message; the same typed errors for bad arguments.
+        """
+        return receive_batch(self, max_messages, wait)
 
     def _ttl_ended(self, deliveries: Sequence[Delivery], dead_letters: bool) -> None:
         """Their TTL ended before this group received them: never delivered; dead-lettered

@@ -1,0 +1,324 @@
+"""``Batch``: messages received together, as columns and as one lease.
+
+``Subscription.receive_batch`` is ``receive`` called until the batch is full or nothing
+more is ready, so every rule of a single message (the lease rule, attempts, dead letters
+after ``max_attempts``, TTL, replies skipped, ordered keys and the gatekeeper) holds for
+each message of a batch unchanged. A batch adds columns for bulk readers (Arrow, Spark)
+and settles of the whole batch, each a loop over the messages' own settles (acks in one
+``ack_many`` driver call). Native fast paths (drivers returning columns) are later work.
+Separate from ``subscription.py``: nothing here is needed by a single-message consumer;
+it names its subscription only by what it uses of it (``_Receiver``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from datetime import datetime
+from typing import Any, Protocol, TypeVar, overload
+
+from .capabilities import Feature
+from .checks import check_count, check_seconds
+from .errors import AlreadySettled, InvalidArgument, LeaseExpired, MissingDependency, MQError
+from .message import Message, Source, _ran_out
+
+__all__ = ["AsyncBatch", "Batch"]
+
+_M = TypeVar("_M")
+#: What a whole-batch op may still settle: unsettled, or refused once for its lease (so
+#: that the op raises ``LeaseExpired`` for it again, as a repeated single settle does).
+_OPEN = (None, "expired")
+
+
+class _Receiver(Source, Protocol):
+    """The subscription as a batch uses it: a message's ``Source`` that also receives."""
+
+    def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]: ...
+
+
+def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
+    """``Subscription.receive_batch``: one ``receive`` waiting up to ``wait`` for the first
+    messages, then more without waiting until ``max_messages``, an empty receive, or half
+    the earliest lease gone (a batch is handed over with at least half its lease left)."""
+    sub._check_open()
+    check_count(max_messages, "max_messages")
+    check_seconds(wait, "wait", math.inf)
+    got = sub.receive(max_messages, wait)
+    if not got:
+        return Batch(sub, got)
+    monotonic = sub._broker._monotonic
+    earliest = min(m._deadline for m in got)
+    half = sub.spec.lease / 2
+    while len(got) < max_messages and earliest - monotonic() > half:
+        try:
+            more = sub.receive(max_messages - len(got), 0.0)
+        except MQError:  # what we hold is handed over; the next receive sees the error
+            break
+        if not more:
+            break
+        got += more
+        earliest = min(earliest, *(m._deadline for m in more))
+    return Batch(sub, got)
+
+
+class Batch(Sequence[Message]):
+    """Messages received together by ``Subscription.receive_batch``, as columns and as one
+    lease; empty (falsy) when nothing arrived.
+
+    Columns (``ids``, ``topics``, ``keys``, ``bodies``, ``headers``, ``attempts``,
+    ``published_at``) are new lists in receive order; ``to_arrow()`` is the same as a
+    pyarrow table. Indexing and iteration give the ``Message`` objects, which may still be
+    settled one by one.
+
+    The batch's lease is its earliest message deadline (``lease_remaining``): a settle of
+    the whole batch (``ack``, ``nack``, ``dead_letter``, ``extend``) before it reaches every
+    message. Such a settle skips messages settled one by one, settles every other message,
+    and then raises ``LeaseExpired`` (naming them in ``ids``) if some leases had run out:
+    those come again with the next attempt. A broker error stops it with the rest
+    unsettled; repeating the call settles them. After a whole-batch settle, the same one is
+    a no-op and another raises ``AlreadySettled``. On an empty batch every settle is a
+    no-op (arguments are still checked).
+    """
+
+    __slots__ = ("_done", "_messages", "_sub")
+
+    def __init__(self, sub: Source, messages: list[Message]) -> None:
+        self._sub = sub
+        self._messages = messages
+        self._done: str | None = None  # the whole-batch settle that ran
+
+    # -- columns ---------------------------------------------------------------------------
+    @property
+    def ids(self) -> list[str]:
+        return [m.id for m in self._messages]
+
+    @property
+    def topics(self) -> list[str]:
+        return [m.topic for m in self._messages]
+
+    @property
+    def keys(self) -> list[str | None]:
+        return [m.key for m in self._messages]
+
+    @property
+    def bodies(self) -> list[bytes]:
+        return [m.body for m in self._messages]
+
+    @property
+    def headers(self) -> list[dict[str, str]]:
+        """Each message's headers as a dict (``mq-*`` metadata left out, as on ``Message``)."""
+        return [dict(m.headers) for m in self._messages]
+
+    @property
+    def attempts(self) -> list[int]:
+        return [m.attempt for m in self._messages]
+
+    @property
+    def published_at(self) -> list[datetime]:
+        """When each was published (UTC)."""
+        return [m.published_at for m in self._messages]
+
+    def to_arrow(self) -> Any:
+        """The columns as a ``pyarrow.Table`` (``id``, ``topic``, ``key``, ``body``,
+        ``headers`` as map<string, string>, ``attempt``, ``published_at`` UTC µs);
+        ``MissingDependency`` without pyarrow (extra ``arrow``)."""
+        try:
+            import pyarrow as pa
+        except ImportError as exc:
+            raise MissingDependency("Batch.to_arrow needs pyarrow: "
+                                    "pip install 'mqabstract[arrow]'") from exc
+        msgs = self._messages
+        return pa.table({
+            "id": pa.array([m.id for m in msgs], pa.string()),
+            "topic": pa.array([m.topic for m in msgs], pa.string()),
+            "key": pa.array([m.key for m in msgs], pa.string()),
+            "body": pa.array([m.body for m in msgs], pa.binary()),
+            "headers": pa.array([list(m.headers.items()) for m in msgs],
+                                pa.map_(pa.string(), pa.string())),
+            "attempt": pa.array([m.attempt for m in msgs], pa.int32()),
+            "published_at": pa.array([m.published_at for m in msgs],
+                                     pa.timestamp("us", tz="UTC")),
+        })
+
+    # -- the messages ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __bool__(self) -> bool:
+        return bool(self._messages)
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self._messages)
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
+        return self._messages[index]
+
+    @property
+    def settled(self) -> bool:
+        """True once every message is acked, nacked or dead-lettered (an empty batch too)."""
+        return all(m.settled for m in self._messages)
+
+    @property
+    def lease_remaining(self) -> float:
+        """Seconds left of the batch's lease: the earliest deadline of its messages not yet
+        settled (≤ 0 once passed; ``inf`` when none is left to settle)."""
+        now = self._sub._broker._monotonic()
+        return min((m._deadline - now for m in self._messages if m._state in _OPEN),
+                   default=math.inf)
+
+    # -- whole-batch settles ---------------------------------------------------------------
+    def ack(self) -> None:
+        """Ack every message not settled yet, in one driver call (``ack_many``)."""
+        if not self._begin("acked"):
+            return
+        while True:
+            todo = [m for m in self._messages if m._state in _OPEN]
+            if not todo:
+                break
+            try:
+                self._sub.ack_many(todo)
+            except AlreadySettled:  # one was settled by another thread meanwhile: skip it
+                continue
+            except LeaseExpired as exc:
+                self._done = "acked"
+                late = [m for m in todo if m._state == "expired"]
+                raise (_ran_out(late) if late else exc) from exc
+            break
+        self._done = "acked"
+
+    def nack(self, delay: float = 0.0) -> None:
+        """Give every message not settled yet back for redelivery after ``delay`` seconds;
+        one on its group's final attempt is dead-lettered instead, as by ``Message.nack``."""
+        broker = self._sub._broker
+        seconds = check_seconds(delay, "nack delay", broker.capabilities.max_delay)
+        if seconds > 0:
+            broker._require(Feature.NACK_DELAY)
+        self._each("nacked", lambda m: m.nack(seconds))
+
+    def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
+        """Move every message not settled yet to the group's dead-letter store, with
+        ``reason``."""
+        if not isinstance(reason, str):
+            raise InvalidArgument("reason must be a str")
+        self._sub._broker._require(Feature.DEAD_LETTER)
+        self._each("dead-lettered", lambda m: m.dead_letter(reason))
+
+    def extend(self, seconds: float) -> None:
+        """Renew the lease of every message not settled yet: ours for ``seconds`` from now
+        (one driver call per message)."""
+        broker = self._sub._broker
+        broker._require(Feature.LEASE_EXTEND)
+        value = broker._check_lease(seconds, "extend")
+        if self._done is not None:
+            raise AlreadySettled(f"this batch was already {self._done}")
+        self._each(None, lambda m: m.extend(value))
+
+    def _begin(self, op: str) -> bool:
+        """Whether a whole-batch ``op`` has anything to do: not on an empty batch, nor
+        (``AlreadySettled``) after another whole-batch settle."""
+        if not self._messages:
+            return False
+        if self._done is not None and self._done != op:
+            raise AlreadySettled(f"this batch was already {self._done}")
+        return True
+
+    def _each(self, op: str | None, settle: Callable[[Message], None]) -> None:
+        """``settle`` each message not settled yet, in order; ``LeaseExpired`` for those
+        whose lease ran out, after the others (``op``: the whole-batch settle, None for
+        ``extend``)."""
+        if op is not None and not self._begin(op):
+            return
+        late: list[Message] = []
+        for msg in self._messages:
+            if msg._state not in _OPEN:
+                continue
+            try:
+                settle(msg)
+            except LeaseExpired:
+                late.append(msg)
+            except AlreadySettled:  # settled by another thread meanwhile
+                continue
+        if op is not None:
+            self._done = op
+        if late:
+            raise _ran_out(late)
+
+    def __repr__(self) -> str:
+        n = len(self._messages)
+        return f"Batch({n} message{'' if n == 1 else 's'}, group={self._sub.spec.name!r})"
+
+
+class AsyncBatch(Sequence[_M]):
+    """``Batch`` for asyncio (``AsyncSubscription.receive_batch``): the same columns and
+    rules; the whole-batch settles are coroutines and the messages are ``AsyncMessage``."""
+
+    __slots__ = ("_run", "_wrap", "_wrapped", "batch")
+
+    def __init__(self, batch: Batch, run: Callable[..., Awaitable[Any]],
+                 wrap: Callable[[Message], _M]) -> None:
+        self.batch = batch  #: the sync batch underneath (same state)
+        self._run = run
+        self._wrap = wrap
+        self._wrapped: list[_M] | None = None
+
+    ids = property(lambda self: self.batch.ids)
+    topics = property(lambda self: self.batch.topics)
+    keys = property(lambda self: self.batch.keys)
+    bodies = property(lambda self: self.batch.bodies)
+    headers = property(lambda self: self.batch.headers)
+    attempts = property(lambda self: self.batch.attempts)
+    published_at = property(lambda self: self.batch.published_at)
+    settled = property(lambda self: self.batch.settled)
+    lease_remaining = property(lambda self: self.batch.lease_remaining)
+
+    def to_arrow(self) -> Any:
+        """``Batch.to_arrow`` (no I/O: on the event loop)."""
+        return self.batch.to_arrow()
+
+    def _messages(self) -> list[_M]:
+        if self._wrapped is None:
+            self._wrapped = [self._wrap(m) for m in self.batch]
+        return self._wrapped
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def __bool__(self) -> bool:
+        return bool(self.batch)
+
+    def __iter__(self) -> Iterator[_M]:
+        return iter(self._messages())
+
+    @overload
+    def __getitem__(self, index: int) -> _M: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[_M]: ...
+
+    def __getitem__(self, index: int | slice) -> _M | list[_M]:
+        return self._messages()[index]
+
+    async def ack(self) -> None:
+        """``Batch.ack``: every message not settled yet, in one driver call."""
+        await self._run(self.batch.ack)
+
+    async def nack(self, delay: float = 0.0) -> None:
+        """``Batch.nack``: back for redelivery after ``delay`` seconds."""
+        await self._run(self.batch.nack, delay)
+
+    async def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
+        """``Batch.dead_letter``: to the group's dead-letter store with ``reason``."""
+        await self._run(self.batch.dead_letter, reason)
+
+    async def extend(self, seconds: float) -> None:
+        """``Batch.extend``: ours for ``seconds`` from now."""
+        await self._run(self.batch.extend, seconds)
+
+    def __repr__(self) -> str:
+        return f"Async{self.batch!r}"
