@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from mqabstract import aio
@@ -73,6 +73,45 @@ class Message:
         return repr(self.amessage)
 
 
+class Batch:
+    """``AsyncBatch`` in the sync ``Batch``'s shape: columns as they are, messages wrapped,
+    whole-batch settles as sync calls."""
+
+    def __init__(self, batch: aio.AsyncBatch[aio.AsyncMessage], loop: _Loop) -> None:
+        self.abatch = batch
+        self._loop = loop
+
+    def __getattr__(self, name: str) -> Any:  # ids, bodies, …, lease_remaining, to_arrow
+        return getattr(self.abatch, name)
+
+    def __len__(self) -> int:
+        return len(self.abatch)
+
+    def __bool__(self) -> bool:
+        return bool(self.abatch)
+
+    def __iter__(self) -> Iterator[Message]:
+        return (Message(m, self._loop) for m in self.abatch)
+
+    def __getitem__(self, index: int) -> Message:
+        return Message(self.abatch[index], self._loop)
+
+    def ack(self) -> None:
+        self._loop.call(self.abatch.ack())
+
+    def nack(self, delay: float = 0.0) -> None:
+        self._loop.call(self.abatch.nack(delay))
+
+    def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
+        self._loop.call(self.abatch.dead_letter(reason))
+
+    def extend(self, seconds: float) -> None:
+        self._loop.call(self.abatch.extend(seconds))
+
+    def __repr__(self) -> str:
+        return repr(self.abatch)
+
+
 class Subscription:
     def __init__(self, sub: aio.AsyncSubscription, loop: _Loop) -> None:
         self.asub = sub
@@ -84,6 +123,9 @@ class Subscription:
     def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]:
         return [Message(m, self._loop) for m in
                 self._loop.call(self.asub.receive(max_messages, wait))]
+
+    def receive_batch(self, max_messages: int = 100, wait: float = 0.0) -> Batch:
+        return Batch(self._loop.call(self.asub.receive_batch(max_messages, wait)), self._loop)
 
     def ack_many(self, messages: Iterable[Any]) -> None:
         self._loop.call(self.asub.ack_many(
