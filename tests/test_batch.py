@@ -183,25 +183,24 @@ def test_partial_expiry_settles_the_rest_then_raises(
     batch[3].ack()  # settled one by one: neither refused nor settled twice
     clock.advance(LEASE)  # batch[1] and batch[2] are out of lease now
     assert batch.lease_remaining <= 0
-    with pytest.raises(mqabstract.LeaseExpired) as info:
+
+    def settle() -> None:
         if op == "extend":
             batch.extend(LEASE)
         elif op == "dead_letter":
             batch.dead_letter("bad")
         else:
             getattr(batch, op)()
+
+    with pytest.raises(mqabstract.LeaseExpired) as info:
+        settle()
     assert info.value.ids == (ids[1], ids[2])
     assert ids[1] in str(info.value) and ids[2] in str(info.value)
     assert not info.value.retryable
     assert not batch[1].settled and not batch[2].settled
     assert batch[0].settled is (op != "extend")
     with pytest.raises(mqabstract.LeaseExpired):  # and again: never reaches the broker
-        if op == "extend":
-            batch.extend(LEASE)
-        elif op == "dead_letter":
-            batch.dead_letter("bad")
-        else:
-            getattr(batch, op)()
+        settle()
     again = sub.receive_batch(10)
     back = ids[:3] if op == "nack" else ids[1:3]  # (ids[0] nacked comes again too)
     assert sorted(again.ids) == sorted(back) and again.attempts == [2] * len(back)

@@ -445,11 +445,10 @@ def test_plain_confluent_kafka_reads_and_writes_the_wire_schema(url, mq, names) 
     sub.close()
 
 
-def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
-    """librdkafka's group-less data consumer once fetched nothing after a broker restart,
-    silently (CI, test_broker_restart). Stopped here behind the subscription's back (its
-    partitions paused inside librdkafka): records written after that must still arrive,
-    read by a new data consumer once the partitions were idle ``_STALL_AFTER`` seconds."""
+def _wedged_reader_is_replaced(url: str, names: tuple[str, str], wedge) -> None:
+    """A subscription's data consumer, once it read one record, is wedged by ``wedge``
+    behind the subscription's back: the five records written after must still arrive,
+    read by a new data consumer (the stall check, after ``_STALL_AFTER`` idle seconds)."""
     group, root = names
     with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
         sub = mq.subscribe(group, f"{root}.#", lease=30)
@@ -462,7 +461,7 @@ def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
         got[0].ack()
         inner = sub._inner
         wedged = inner.data
-        wedged.c.pause(wedged.c.assignment())  # librdkafka stops; our code is not told
+        wedge(wedged)
         later = [mq.publish(f"{root}.a", f"after {i}".encode()) for i in range(5)]
         seen: list[str] = []
         deadline = time.monotonic() + 45
@@ -472,6 +471,13 @@ def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
                 msg.ack()
         assert sorted(seen) == sorted(later)
         assert inner.data is not wedged
+
+
+def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
+    """librdkafka's group-less data consumer once fetched nothing after a broker restart,
+    silently (CI, test_broker_restart). Stopped here with its partitions paused inside
+    librdkafka; our code is not told."""
+    _wedged_reader_is_replaced(url, names, lambda r: r.c.pause(r.c.assignment()))
 
 
 def test_a_data_consumer_cut_off_from_every_broker_is_replaced(url, names) -> None:
@@ -480,41 +486,23 @@ def test_a_data_consumer_cut_off_from_every_broker_is_replaced(url, names) -> No
     for over a minute while the brokers were up, so the stall check, which asked that same
     consumer for end offsets, could never act. Cut off here the same way (its partitions
     paused inside librdkafka, its end-offset query failing as it did): a new consumer that
-    can reach the brokers must take over and the records written after arrive."""
+    can reach the brokers must take over."""
     from confluent_kafka import KafkaError, KafkaException
 
     from mqabstract.backends.kafka.ck_base import classify
 
-    group, root = names
-    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
-        sub = mq.subscribe(group, f"{root}.#", lease=30)
-        first = mq.publish(f"{root}.a", b"before")
-        got = []
-        deadline = time.monotonic() + 30
-        while not got and time.monotonic() < deadline:
-            got = sub.receive(1, 1.0)
-        assert [m.id for m in got] == [first]
-        got[0].ack()
-        inner = sub._inner
-        wedged = inner.data
-        asked: list[int] = []
+    asked: list[int] = []
 
-        def all_brokers_down(tps: object, timeout: float | None = None) -> dict:
-            asked.append(1)
-            raise classify(KafkaException(KafkaError(KafkaError._ALL_BROKERS_DOWN)))
+    def all_brokers_down(tps: object, timeout: float | None = None) -> dict:
+        asked.append(1)
+        raise classify(KafkaException(KafkaError(KafkaError._ALL_BROKERS_DOWN)))
 
-        wedged.c.pause(wedged.c.assignment())
-        wedged.end_offsets = all_brokers_down
-        later = [mq.publish(f"{root}.a", f"after {i}".encode()) for i in range(5)]
-        seen: list[str] = []
-        deadline = time.monotonic() + 45
-        while len(seen) < 5 and time.monotonic() < deadline:
-            for msg in sub.receive(5, 1.0):
-                seen.append(msg.id)
-                msg.ack()
-        assert asked, "the stall check never asked the cut-off consumer"
-        assert sorted(seen) == sorted(later)
-        assert inner.data is not wedged
+    def cut_off(reader) -> None:
+        reader.c.pause(reader.c.assignment())
+        reader.end_offsets = all_brokers_down
+
+    _wedged_reader_is_replaced(url, names, cut_off)
+    assert asked, "the stall check never asked the cut-off consumer"
 
 
 @pytest.mark.parametrize("client", ["confluent", "kafka-python"])
