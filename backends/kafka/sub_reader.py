@@ -213,14 +213,17 @@ class DataReader(GroupMember):
         if not idle:
             return
         idle = sorted(idle, key=self.data_seen.__getitem__)[:_STALL_PROBE_MAX]
+        probe_end = now + _STALL_PROBE  # one bound for the whole round
+        asking = idle[0]
         try:
-            probe_end = now + _STALL_PROBE  # one bound for the whole round
             ends: dict[TP, int] = {}
-            for tp in idle:
+            for asking in idle:
                 left = probe_end - time.monotonic()
                 if left <= 0:
                     break
-                ends.update(self.data.end_offsets([tp], timeout=left))
+                ends.update(self.data.end_offsets([asking], timeout=left))
+            self.query_failures = 0
+            self.fresh_backoff = 0.0
             behind = {}
             for tp in ends:
                 at, end = self.data.position(tp), ends[tp]
@@ -232,7 +235,9 @@ class DataReader(GroupMember):
                     self.data_seen[tp] = now  # idle, not stalled: again in _STALL_AFTER
         except Exception as exc:  # (a check: never what stops the data thread)
             log.debug("kafka: stall check of %s: %s", self.spec.name, redact(str(exc))[:300])
-            self._replace_if_cut_off(idle, probe_end)
+            self.query_failures += 1
+            if self.query_failures >= 2 and time.monotonic() >= self.next_fresh_probe:
+                self._replace_if_cut_off(asking, probe_end)
             return
         if not behind:
             return
@@ -252,19 +257,24 @@ class DataReader(GroupMember):
         # of what read_committed returns) is not repeated every round.
         self.next_stall_check = time.monotonic() + _STALL_AFTER * 6
 
-    def _replace_if_cut_off(self, idle: Sequence[TP], probe_end: float) -> None:
-        """After the data consumer failed to read end offsets: ask a new consumer, and if
-        that one can, the data consumer is cut off from brokers that are up, and the new
-        one takes over.
+    def _replace_if_cut_off(self, tp: TP, probe_end: float) -> None:
+        """After the data consumer failed to read ``tp``'s end offset two rounds in a row:
+        ask a new consumer about ``tp``, and if that one can, the data consumer is cut off
+        from brokers that are up, and the new one takes over.
 
         Seen in a whole-cluster restart (fault sitting of 27 Nov): every other client of
         the process reconnected, while librdkafka's data consumer failed every request with
         ``_ALL_BROKERS_DOWN`` for over a minute and fetched nothing, so the stall check,
         which asked that same consumer, could never act (28 confirmed ids undelivered).
-        While the brokers are really away the new consumer fails too and is dropped: the
-        cost is one consumer made and closed per round of the check, and this round's
-        wait is bounded by ``_STALL_PROBE`` (at least half of it for the new consumer).
+        Two failed rounds (``_STALL_AFTER / 2`` apart), so a partition whose leader is just
+        moving does not cost librdkafka's read-ahead. While the brokers are really away the
+        new consumer fails too and is dropped, and the next one is asked only after a
+        back-off doubling to a minute. The new consumer's query is bounded by what is left
+        of the round, but given at least ``_STALL_PROBE / 4``: a round holds the data
+        thread (lease expiry, delayed records) for at most 1.25 ``_STALL_PROBE``.
         """
+        self.fresh_backoff = min(max(2 * self.fresh_backoff, _STALL_AFTER), 60.0)
+        self.next_fresh_probe = time.monotonic() + self.fresh_backoff
         try:
             fresh = self.d.client.reader(self.d.settings)
         except Exception as exc:
@@ -272,8 +282,8 @@ class DataReader(GroupMember):
                       redact(str(exc))[:300])
             return
         try:
-            left = max(probe_end - time.monotonic(), _STALL_PROBE / 2)
-            fresh.end_offsets(idle[:1], timeout=left)
+            left = max(probe_end - time.monotonic(), _STALL_PROBE / 4)
+            fresh.end_offsets([tp], timeout=left)
         except Exception as exc:  # the brokers are away for everyone: wait for them
             log.debug("kafka: stall check of %s: a new consumer cannot read either: %s",
                       self.spec.name, redact(str(exc))[:300])
@@ -285,7 +295,11 @@ class DataReader(GroupMember):
             self._renew_reader(fresh)
         except Exception as exc:
             log.warning("kafka: new consumer of %s not started (tried again in %.0fs): %s",
-                        self.spec.name, _STALL_AFTER / 2, redact(str(exc))[:300])
+                        self.spec.name, self.fresh_backoff, redact(str(exc))[:300])
+            return
+        self.query_failures = 0
+        self.fresh_backoff = 0.0
+        self.next_stall_check = time.monotonic() + _STALL_AFTER
 
     def _close_later(self, reader: Reader) -> None:
         """Close a consumer off the data thread: a wedged one's close may hang."""
@@ -307,7 +321,7 @@ class DataReader(GroupMember):
             new.assign(self.data_assigned)
             new.seek(positions)
         except Exception:
-            new.close()
+            self._close_later(new)
             raise
         self.data = new
         now = time.monotonic()

@@ -94,6 +94,11 @@ class SubscriptionState:
         self.data_seen: dict[TP, float] = {}
         self.stall_ends: dict[TP, int] = {}  # end offsets a new consumer was started for
         self.next_stall_check = 0.0
+        # Consecutive rounds whose end-offset query the data consumer failed, and when a
+        # new consumer may next be asked in its place (``_replace_if_cut_off``'s back-off).
+        self.query_failures = 0
+        self.next_fresh_probe = 0.0
+        self.fresh_backoff = 0.0
         self.applied_version = -1
         self.topic_version = -1
         self.next_refresh = 0.0

@@ -10,6 +10,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -445,10 +447,16 @@ def test_plain_confluent_kafka_reads_and_writes_the_wire_schema(url, mq, names) 
     sub.close()
 
 
-def _wedged_reader_is_replaced(url: str, names: tuple[str, str], wedge) -> None:
+def _wedged_reader_is_replaced(url: str, names: tuple[str, str], monkeypatch: Any,
+                               wedge: Callable[[Any], None],
+                               meanwhile: Callable[[Any, Any], None] | None = None) -> None:
     """A subscription's data consumer, once it read one record, is wedged by ``wedge``
-    behind the subscription's back: the five records written after must still arrive,
-    read by a new data consumer (the stall check, after ``_STALL_AFTER`` idle seconds)."""
+    behind the subscription's back (``meanwhile`` then sees the subscription and the wedged
+    consumer): the five records written after must still arrive, read by a new data
+    consumer. The stall check's idle time is cut from 10 s to 2 s."""
+    from mqabstract.backends.kafka import sub_reader
+
+    monkeypatch.setattr(sub_reader, "_STALL_AFTER", 2.0)
     group, root = names
     with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
         sub = mq.subscribe(group, f"{root}.#", lease=30)
@@ -463,6 +471,8 @@ def _wedged_reader_is_replaced(url: str, names: tuple[str, str], wedge) -> None:
         wedged = inner.data
         wedge(wedged)
         later = [mq.publish(f"{root}.a", f"after {i}".encode()) for i in range(5)]
+        if meanwhile is not None:
+            meanwhile(inner, wedged)
         seen: list[str] = []
         deadline = time.monotonic() + 45
         while len(seen) < 5 and time.monotonic() < deadline:
@@ -473,36 +483,75 @@ def _wedged_reader_is_replaced(url: str, names: tuple[str, str], wedge) -> None:
         assert inner.data is not wedged
 
 
-def test_a_data_consumer_that_stops_fetching_is_replaced(url, names) -> None:
+def test_a_data_consumer_that_stops_fetching_is_replaced(url, names, monkeypatch) -> None:
     """librdkafka's group-less data consumer once fetched nothing after a broker restart,
     silently (CI, test_broker_restart). Stopped here with its partitions paused inside
     librdkafka; our code is not told."""
-    _wedged_reader_is_replaced(url, names, lambda r: r.c.pause(r.c.assignment()))
+    _wedged_reader_is_replaced(url, names, monkeypatch,
+                               lambda r: r.c.pause(r.c.assignment()))
 
 
-def test_a_data_consumer_cut_off_from_every_broker_is_replaced(url, names) -> None:
-    """In a whole-cluster restart (fault sitting, 27 Nov) librdkafka's data consumer came
-    back cut off: it fetched nothing and failed every request with ``_ALL_BROKERS_DOWN``
-    for over a minute while the brokers were up, so the stall check, which asked that same
-    consumer for end offsets, could never act. Cut off here the same way (its partitions
-    paused inside librdkafka, its end-offset query failing as it did): a new consumer that
-    can reach the brokers must take over."""
+def _all_brokers_down(tps: object, timeout: float | None = None) -> dict:
     from confluent_kafka import KafkaError, KafkaException
 
     from mqabstract.backends.kafka.ck_base import classify
 
-    asked: list[int] = []
+    raise classify(KafkaException(KafkaError(KafkaError._ALL_BROKERS_DOWN)))
 
-    def all_brokers_down(tps: object, timeout: float | None = None) -> dict:
-        asked.append(1)
-        raise classify(KafkaException(KafkaError(KafkaError._ALL_BROKERS_DOWN)))
 
-    def cut_off(reader) -> None:
-        reader.c.pause(reader.c.assignment())
-        reader.end_offsets = all_brokers_down
+def _cut_off(reader: Any) -> None:
+    """What a whole-cluster restart left of librdkafka's data consumer (fault sitting, 27
+    Nov): it fetched nothing and failed every request with ``_ALL_BROKERS_DOWN`` for over
+    a minute while the brokers were up."""
+    reader.c.pause(reader.c.assignment())
+    reader.end_offsets = _all_brokers_down
 
-    _wedged_reader_is_replaced(url, names, cut_off)
-    assert asked, "the stall check never asked the cut-off consumer"
+
+def test_a_data_consumer_cut_off_from_every_broker_is_replaced(url, names, monkeypatch
+                                                                ) -> None:
+    """The stall check asked that same consumer for end offsets, so it could never act (28
+    confirmed ids undelivered): a new consumer that can reach the brokers must take over."""
+    _wedged_reader_is_replaced(url, names, monkeypatch, _cut_off)
+
+
+def test_while_no_consumer_reaches_the_brokers_the_data_consumer_is_kept(
+        url, names, monkeypatch) -> None:
+    """Brokers away for every consumer: each new one the check asks is closed, the data
+    consumer is kept, and new ones are asked ever more rarely (a back-off, not one per
+    round); once a new one can read, it takes over."""
+    made: list[Any] = []
+
+    def meanwhile(inner: Any, wedged: Any) -> None:
+        real = inner.d.client.reader
+
+        def unreachable(settings: Any) -> Any:
+            reader = real(settings)
+            reader.end_offsets = _all_brokers_down
+            made.append(reader)
+            return reader
+
+        monkeypatch.setattr(inner.d.client, "reader", unreachable)
+        time.sleep(9.0)  # idle from 2 s; a round each second; asked first at the 2nd failure
+        assert inner.data is wedged
+        # Without the back-off one per round from about 3 s: 6 or more.
+        assert 1 <= len(made) <= 3, len(made)
+        deadline = time.monotonic() + 10
+        while any(r.c is not None and not _closed(r) for r in made) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_closed(r) for r in made)
+        monkeypatch.setattr(inner.d.client, "reader", real)
+
+    _wedged_reader_is_replaced(url, names, monkeypatch, _cut_off, meanwhile)
+
+
+def _closed(reader: Any) -> bool:
+    """Whether librdkafka's consumer under ``reader`` was closed."""
+    try:
+        reader.c.assignment()
+    except RuntimeError:  # "Consumer closed"
+        return True
+    return False
 
 
 @pytest.mark.parametrize("client", ["confluent", "kafka-python"])
