@@ -287,24 +287,42 @@ def test_attempts_and_ttl_hold_through_the_batch_path(mq: mqabstract.Broker,
     assert {d.id: d.reason for d in mq.dead_letters("g")}[mortal] == "expired"
 
 
-def test_a_settle_that_fails_leaves_the_batch_open(mq: mqabstract.Broker) -> None:
-    """A broker error is not a settle: nothing is marked, another outcome may follow."""
+@pytest.mark.parametrize("whole", [True, False], ids=["batch", "single"])
+@pytest.mark.parametrize("op", ["ack", "nack", "dead_letter"])
+def test_a_settle_that_fails_leaves_the_batch_open(mq: mqabstract.Broker, clock: FakeClock,
+                                                   op: str, whole: bool) -> None:
+    """A broker error is not a settle: nothing is marked, the messages are ours again (a
+    close would hand them back) and any outcome may follow, the same one too."""
     sub = mq.subscribe("g", "a.#", lease=LEASE)
-    _publish(mq, 2)
+    ids = _publish(mq, 2)
     batch = sub.receive_batch(10)
     inner = sub._inner  # type: ignore[attr-defined]
-    ack = inner.ack
+    real = getattr(inner, op)
 
-    def down(receipts: list[object]) -> None:
+    def down(*args: object) -> None:
         raise mqabstract.ConnectionFailed("broker away")
 
-    inner.ack = down
+    def settle(target: Any, how: str = op) -> None:
+        getattr(target, how)(*(("bad",) if how == "dead_letter" else ()))
+
+    setattr(inner, op, down)
     with pytest.raises(mqabstract.ConnectionFailed):
-        batch.ack()
+        settle(batch) if whole else [settle(m) for m in batch]
     assert not batch[0].settled and not batch[1].settled
-    inner.ack = ack
-    batch.nack()  # not AlreadySettled: the ack did not happen
+    assert set(batch) <= sub._unsettled  # type: ignore[attr-defined]
+    setattr(inner, op, real)
+    settle(batch[0])  # the same again: it happens now (no no-op)
+    other = "nack" if op == "ack" else "ack"
+    settle(batch[1], other)  # or another outcome (no AlreadySettled)
     assert batch.settled
+    back = sub.receive_batch(10)  # nacked ones at once, the others never
+    assert back.ids == ([ids[0] if op == "nack" else ids[1]] if "nack" in (op, other)
+                        else [])
+    assert back.attempts == [2] * len(back)
+    back.ack()
+    assert [d.id for d in mq.dead_letters("g")] == ([ids[0]] if op == "dead_letter" else [])
+    clock.advance(3600)
+    assert not sub.receive_batch(10)
 
 
 def test_filling_stops_when_nothing_more_is_ready_or_half_the_lease_is_gone(
