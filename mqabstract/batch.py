@@ -167,9 +167,9 @@ class Batch(Sequence[Message]):
     @property
     def lease_remaining(self) -> float:
         """Seconds left of the batch's lease: the earliest deadline of its messages not yet
-        settled (≤ 0 once passed; ``inf`` when none is left to settle)."""
+        settled nor refused for their lease (≤ 0 once passed; ``inf`` when none is left)."""
         now = self._sub._broker._monotonic()
-        return min((m._deadline - now for m in self._messages if m._state in _OPEN),
+        return min((m._deadline - now for m in self._messages if m._state is None),
                    default=math.inf)
 
     # -- whole-batch settles ---------------------------------------------------------------

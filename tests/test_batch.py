@@ -199,6 +199,8 @@ def test_partial_expiry_settles_the_rest_then_raises(
     assert not info.value.retryable
     assert not batch[1].settled and not batch[2].settled
     assert batch[0].settled is (op != "extend")
+    # The refused ones no longer count: the live one's lease, or none left to settle.
+    assert batch.lease_remaining == (LEASE if op == "extend" else float("inf"))
     with pytest.raises(mqabstract.LeaseExpired):  # and again: never reaches the broker
         settle()
     again = sub.receive_batch(10)
