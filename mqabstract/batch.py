@@ -13,7 +13,7 @@ it names its subscription only by what it uses of it (``_Receiver``).
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar, overload
 
@@ -31,15 +31,24 @@ _OPEN = (None, "expired")
 
 
 class _Receiver(Source, Protocol):
-    """The subscription as a batch uses it: a message's ``Source`` that also receives."""
+    """The subscription as a batch uses it: a message's ``Source`` that also receives and
+    hands messages back."""
 
     def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]: ...
+
+    def _release(self, messages: Iterable[Message]) -> None: ...
 
 
 def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     """``Subscription.receive_batch``: one ``receive`` waiting up to ``wait`` for the first
-    messages, then more without waiting until ``max_messages``, an empty receive, or half
-    the earliest lease gone (a batch is handed over with at least half its lease left)."""
+    messages, then more without waiting while the batch is not full, the last receive
+    brought some, and more than half the earliest lease is left. So a batch is handed
+    over with half its lease left less the time of at most one receive (the last, started
+    with more than half left: a slow broker call there shortens the batch's lease).
+
+    A broker error from a later receive hands over what was collected (the next receive
+    sees the error); any other error (an interrupt, a bug) hands it back for redelivery
+    at once, since nobody gets the batch, and propagates."""
     sub._check_open()
     check_count(max_messages, "max_messages")
     check_seconds(wait, "wait", math.inf)
@@ -49,15 +58,19 @@ def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     monotonic = sub._broker._monotonic
     earliest = min(m._deadline for m in got)
     half = sub.spec.lease / 2
-    while len(got) < max_messages and earliest - monotonic() > half:
-        try:
-            more = sub.receive(max_messages - len(got), 0.0)
-        except MQError:  # what we hold is handed over; the next receive sees the error
-            break
-        if not more:
-            break
-        got += more
-        earliest = min(earliest, *(m._deadline for m in more))
+    try:
+        while len(got) < max_messages and earliest - monotonic() > half:
+            try:
+                more = sub.receive(max_messages - len(got), 0.0)
+            except MQError:  # what we hold is handed over; the next receive sees the error
+                break
+            if not more:
+                break
+            got += more
+            earliest = min(earliest, *(m._deadline for m in more))
+    except BaseException:
+        sub._release(got)
+        raise
     return Batch(sub, got)
 
 

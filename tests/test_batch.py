@@ -375,6 +375,34 @@ def test_filling_stops_when_nothing_more_is_ready_or_half_the_lease_is_gone(
         sub.receive_batch(6)
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_filling_that_fails_otherwise_hands_back_what_it_held(
+        mq: mqabstract.Broker, clock: FakeClock, error: type[BaseException]) -> None:
+    """Not a broker error (a bug, an interrupt): nobody gets the batch, so what was
+    collected goes back at once (not after its lease), and the error propagates."""
+    sub = mq.subscribe("g", "a.#", lease=LEASE)
+    ids = _publish(mq, 3)
+    real = sub.receive
+
+    def first(n: int = 1, wait: float = 0.0) -> list[Message]:
+        sub.receive = failing  # type: ignore[method-assign]
+        return real(2, wait)
+
+    def failing(n: int = 1, wait: float = 0.0) -> list[Message]:
+        raise error("stop")
+
+    sub.receive = first  # type: ignore[method-assign]
+    with pytest.raises(error):
+        sub.receive_batch(10)
+    del sub.receive  # type: ignore[method-assign]
+    assert not sub._unsettled  # type: ignore[attr-defined]
+    back = sub.receive_batch(10)  # at once: no clock advance
+    assert sorted(back.ids) == sorted(ids)
+    back.ack()
+    clock.advance(3600)
+    assert not sub.receive_batch(10)
+
+
 @pytest.mark.parametrize("scheme", ["memory", "loose"])
 def test_ordered_keys_one_at_a_time_through_the_batch_path(clock: FakeClock,
                                                            scheme: str) -> None:
