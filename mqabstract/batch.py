@@ -13,6 +13,7 @@ it names its subscription only by what it uses of it (``_Receiver``).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar, overload
@@ -88,17 +89,19 @@ class Batch(Sequence[Message]):
     message. Such a settle skips messages settled one by one, settles every other message,
     and then raises ``LeaseExpired`` (naming them in ``ids``) if some leases had run out:
     those come again with the next attempt. A broker error stops it with the rest
-    unsettled; repeating the call settles them. After a whole-batch settle, the same one is
-    a no-op and another raises ``AlreadySettled``. On an empty batch every settle is a
-    no-op (arguments are still checked).
+    unsettled; repeating the call settles them. Whole-batch settles run one at a time
+    (across threads too): after one, the same one is a no-op and another raises
+    ``AlreadySettled``. On an empty batch every settle is a no-op (arguments are still
+    checked).
     """
 
-    __slots__ = ("_done", "_messages", "_sub")
+    __slots__ = ("_done", "_lock", "_messages", "_sub")
 
     def __init__(self, sub: Source, messages: list[Message]) -> None:
         self._sub = sub
         self._messages = messages
         self._done: str | None = None  # the whole-batch settle that ran
+        self._lock = threading.Lock()  # one whole-batch settle at a time
 
     # -- columns ---------------------------------------------------------------------------
     @property
@@ -188,31 +191,14 @@ class Batch(Sequence[Message]):
     # -- whole-batch settles ---------------------------------------------------------------
     def ack(self) -> None:
         """Ack every message not settled yet, in one driver call (``ack_many``)."""
-        if not self._begin("acked"):
-            return
-        while True:
-            todo = [m for m in self._messages if m._state in _OPEN]
-            if not todo:
-                break
-            try:
-                self._sub.ack_many(todo)
-            except AlreadySettled:  # one was settled by another thread meanwhile: skip it
-                continue
-            except LeaseExpired as exc:
-                self._done = "acked"
-                late = [m for m in todo if m._state == "expired"]
-                raise (_ran_out(late) if late else exc) from exc
-            break
-        self._done = "acked"
+        self._settle("acked", self._ack_all)
 
     def nack(self, delay: float = 0.0) -> None:
         """Give every message not settled yet back for redelivery after ``delay`` seconds;
         one on its group's final attempt is dead-lettered instead, as by ``Message.nack``."""
-        broker = self._sub._broker
-        seconds = check_seconds(delay, "nack delay", broker.capabilities.max_delay)
-        if seconds > 0:
-            broker._require(Feature.NACK_DELAY)
-        self._each("nacked", lambda m: m.nack(seconds))
+        self._sub._check_nack(delay)
+        seconds = float(delay)
+        self._settle("nacked", _each(lambda m: m.nack(seconds)))
 
     def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
         """Move every message not settled yet to the group's dead-letter store, with
@@ -220,51 +206,63 @@ class Batch(Sequence[Message]):
         if not isinstance(reason, str):
             raise InvalidArgument("reason must be a str")
         self._sub._broker._require(Feature.DEAD_LETTER)
-        self._each("dead-lettered", lambda m: m.dead_letter(reason))
+        self._settle("dead-lettered", _each(lambda m: m.dead_letter(reason)))
 
     def extend(self, seconds: float) -> None:
         """Renew the lease of every message not settled yet: ours for ``seconds`` from now
         (one driver call per message)."""
-        broker = self._sub._broker
-        broker._require(Feature.LEASE_EXTEND)
-        value = broker._check_lease(seconds, "extend")
-        if self._done is not None:
-            raise AlreadySettled(f"this batch was already {self._done}")
-        self._each(None, lambda m: m.extend(value))
+        value = self._sub._check_extend(seconds)
+        self._settle(None, _each(lambda m: m.extend(value)))
 
-    def _begin(self, op: str) -> bool:
-        """Whether a whole-batch ``op`` has anything to do: not on an empty batch, nor
-        (``AlreadySettled``) after another whole-batch settle."""
+    def _settle(self, op: str | None, settle: Callable[[list[Message]], None]) -> None:
+        """A whole-batch settle: ``settle`` the messages not settled yet, in order (``op``:
+        the batch's outcome; None for ``extend``), then raise ``LeaseExpired`` for those
+        whose lease ran out. Nothing on an empty batch; ``AlreadySettled`` after another
+        whole-batch settle. Under the batch's lock: of two at once on two threads, the
+        second sees the first's outcome."""
         if not self._messages:
-            return False
-        if self._done is not None and self._done != op:
-            raise AlreadySettled(f"this batch was already {self._done}")
-        return True
-
-    def _each(self, op: str | None, settle: Callable[[Message], None]) -> None:
-        """``settle`` each message not settled yet, in order; ``LeaseExpired`` for those
-        whose lease ran out, after the others (``op``: the whole-batch settle, None for
-        ``extend``)."""
-        if op is not None and not self._begin(op):
             return
-        late: list[Message] = []
-        for msg in self._messages:
-            if msg._state not in _OPEN:
-                continue
+        with self._lock:
+            if self._done is not None and self._done != op:
+                raise AlreadySettled(f"this batch was already {self._done}")
+            todo = [m for m in self._messages if m._state in _OPEN]
+            error: LeaseExpired | None = None
             try:
-                settle(msg)
-            except LeaseExpired:
-                late.append(msg)
-            except AlreadySettled:  # settled by another thread meanwhile
-                continue
-        if op is not None:
-            self._done = op
+                settle(todo)
+            except LeaseExpired as exc:  # the others are settled: still the batch's outcome
+                error = exc
+            if op is not None:
+                self._done = op
+        late = [m for m in todo if m._state == "expired"]
         if late:
-            raise _ran_out(late)
+            raise _ran_out(late) from error
+        if error is not None:
+            raise error
+
+    def _ack_all(self, todo: list[Message]) -> None:
+        while todo:
+            try:
+                self._sub.ack_many(todo)
+                return
+            except AlreadySettled:  # one was settled by another thread meanwhile: skip it
+                todo = [m for m in todo if m._state in _OPEN]
 
     def __repr__(self) -> str:
         n = len(self._messages)
         return f"Batch({n} message{'' if n == 1 else 's'}, group={self._sub.spec.name!r})"
+
+
+def _each(settle: Callable[[Message], None]) -> Callable[[list[Message]], None]:
+    """A whole-batch settle made of ``settle`` on each message in turn: one whose lease ran
+    out is counted afterwards (by its state), one settled meanwhile by another thread is
+    skipped."""
+    def run(todo: list[Message]) -> None:
+        for msg in todo:
+            try:
+                settle(msg)
+            except (LeaseExpired, AlreadySettled):
+                continue
+    return run
 
 
 class AsyncBatch(Sequence[_M]):

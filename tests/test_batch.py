@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -287,6 +289,45 @@ def test_attempts_and_ttl_hold_through_the_batch_path(mq: mqabstract.Broker,
     clock.advance(11)
     assert not sub.receive_batch(10)
     assert {d.id: d.reason for d in mq.dead_letters("g")}[mortal] == "expired"
+
+
+def test_two_whole_batch_settles_at_once_one_wins(mq: mqabstract.Broker) -> None:
+    """A nack from another thread while the batch's ack is in the driver waits for it and
+    then raises AlreadySettled, as it would after it."""
+    sub = mq.subscribe("g", "a.#", lease=LEASE)
+    _publish(mq, 2)
+    batch = sub.receive_batch(10)
+    inner = sub._inner  # type: ignore[attr-defined]
+    real = inner.ack
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(receipts: list[object]) -> None:
+        entered.set()
+        go.wait(10)
+        real(receipts)
+
+    inner.ack = slow
+    errors: dict[str, BaseException | None] = {}
+
+    def run(op: str) -> None:
+        try:
+            getattr(batch, op)()
+            errors[op] = None
+        except BaseException as exc:
+            errors[op] = exc
+
+    acking = threading.Thread(target=run, args=("ack",))
+    acking.start()
+    assert entered.wait(10)
+    nacking = threading.Thread(target=run, args=("nack",))
+    nacking.start()
+    time.sleep(0.2)  # (without the lock it would be done by now)
+    go.set()
+    acking.join(10)
+    nacking.join(10)
+    assert errors["ack"] is None
+    assert isinstance(errors["nack"], mqabstract.AlreadySettled), errors
+    assert batch.settled and all(m._state == "acked" for m in batch)
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["batch", "single"])
