@@ -143,17 +143,15 @@ class Batch(Sequence[Message]):
         except ImportError as exc:
             raise MissingDependency("Batch.to_arrow needs pyarrow: "
                                     "pip install 'mqabstract[arrow]'") from exc
-        msgs = self._messages
         return pa.table({
-            "id": pa.array([m.id for m in msgs], pa.string()),
-            "topic": pa.array([m.topic for m in msgs], pa.string()),
-            "key": pa.array([m.key for m in msgs], pa.string()),
-            "body": pa.array([m.body for m in msgs], pa.binary()),
-            "headers": pa.array([list(m.headers.items()) for m in msgs],
+            "id": pa.array(self.ids, pa.string()),
+            "topic": pa.array(self.topics, pa.string()),
+            "key": pa.array(self.keys, pa.string()),
+            "body": pa.array(self.bodies, pa.binary()),
+            "headers": pa.array([list(m.headers.items()) for m in self._messages],
                                 pa.map_(pa.string(), pa.string())),
-            "attempt": pa.array([m.attempt for m in msgs], pa.int32()),
-            "published_at": pa.array([m.published_at for m in msgs],
-                                     pa.timestamp("us", tz="UTC")),
+            "attempt": pa.array(self.attempts, pa.int32()),
+            "published_at": pa.array(self.published_at, pa.timestamp("us", tz="UTC")),
         })
 
     # -- the messages ----------------------------------------------------------------------
