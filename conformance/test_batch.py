@@ -2,9 +2,10 @@
 
 Few scenarios, each folding related checks into one publish / receive / wait: columns and
 whole-batch ack beside per-message settles; nack with a delay, the final attempt and dead
-letters; extend and a batch whose leases ran out in part; ordered keys. Leases are one
-second (or the backend's minimum, if longer): long enough for the work done under them,
-and every wait on them is bounded by them.
+letters; extend and a batch whose leases ran out in part; ordered keys. Leases and
+delays are the harness's (``mq_ctx.lease``, ``mq_ctx.delay``), and every wait on them is
+bounded by them. Messages meant to come in one batch share a key: on Kafka that is one
+partition, so they come in one fetch (a new topic's partitions come about a second apart).
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ from mqabstract import Feature, Subscription
 from .harness import Ctx
 
 _HAS_ARROW = importlib.util.find_spec("pyarrow") is not None
-
-
-def _lease(mq_ctx: Ctx) -> float:
-    return max(mq_ctx.caps.min_lease, 1.0) * mq_ctx.scale
 
 
 def _batches(mq_ctx: Ctx, sub: Subscription, count: int,
@@ -60,7 +57,7 @@ def _expect_empty(mq_ctx: Ctx, sub: Subscription, wait: float) -> None:
 def test_batch_columns_and_whole_batch_ack(mq_ctx: Ctx) -> None:
     """Columns match the messages; half acked one by one, the rest by the batch; nothing
     comes back; bad arguments raise before anything is received."""
-    lease = _lease(mq_ctx)
+    lease = mq_ctx.lease
     sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=lease)
     for bad in ((0, 0.0), (-1, 0.0), (10, -1.0)):
         with pytest.raises(mqabstract.InvalidArgument):
@@ -105,15 +102,18 @@ def test_batch_nack_delay_final_attempt_and_dead_letter(mq_ctx: Ctx) -> None:
     dead-lettered on its own first stays dead); on the final attempt a nack dead-letters;
     a batch dead-lettered lands with its reason."""
     mq_ctx.require(Feature.NACK_DELAY, Feature.DEAD_LETTER)
-    lease = _lease(mq_ctx)
-    delay = 1.0 * mq_ctx.scale
-    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=lease, max_attempts=2)
-    ids = mq_ctx.broker.publish_batch([(mq_ctx.topic("n"), f"m{i}".encode()) for i in range(3)])
+    delay = mq_ctx.delay
+    sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=mq_ctx.lease, max_attempts=2)
+    ids = mq_ctx.broker.publish_batch([{"topic": mq_ctx.topic("n"), "body": f"m{i}".encode(),
+                                        "key": "one"} for i in range(3)])
     alone: list[str] = []  # dead-lettered on its own, on attempt 1
     final: list[str] = []  # nacked on its own, on the final attempt
     nacked: list[float] = []
 
     def nack_later(batch: Any) -> None:
+        # A first round longer than the delay would meet a nacked one again, and nack it
+        # on its final attempt: not what this round is for.
+        assert batch.attempts == [1] * len(batch), "the first round outlasted the delay"
         if not alone:
             alone.append(batch[0].id)
             batch[0].dead_letter("one by one")
@@ -145,22 +145,22 @@ def test_batch_extend_and_partial_expiry(mq_ctx: Ctx) -> None:
     all but each batch's first message (extended further), a batch ack acks that one and
     raises LeaseExpired naming the others, which come again with attempt 2."""
     mq_ctx.require(Feature.LEASE_EXTEND)
-    lease = _lease(mq_ctx)
+    lease = mq_ctx.lease
     sub = mq_ctx.subscribe("g", mq_ctx.pattern("#"), lease=lease)
-    mq_ctx.broker.publish_batch([(mq_ctx.topic("e"), f"m{i}".encode()) for i in range(4)])
-
-    def extend(batch: Any) -> None:
-        batch.extend(2 * lease)
-        batch[0].extend(3 * lease)
-
-    batches = _batches(mq_ctx, sub, 4, extend)
+    mq_ctx.broker.publish_batch([{"topic": mq_ctx.topic("e"), "body": f"m{i}".encode(),
+                                  "key": "one"} for i in range(4)])
+    batches = _batches(mq_ctx, sub, 4, lambda batch: batch.extend(4 * lease))
+    # (one key: they come together; a batch of one would have nothing to expire in part)
     assert len(batches) < 4, "every batch held one message: nothing expires in part"
-    # Past the first lease (one batch: 1.5 leases on), within the extension: nothing
-    # comes back.
-    assert not sub.receive_batch(10, max(0.0, min(b.lease_remaining for b in batches)
-                                         - 0.5 * lease))
+    # Past the first lease, well within the extension (batches may have come apart):
+    # nothing comes back.
+    watch = min(lease + mq_ctx.quiet, min(b.lease_remaining for b in batches) - lease)
+    assert not sub.receive_batch(10, max(0.0, watch))
     rest = [m for b in batches for m in list(b)[1:]]
-    time.sleep(max(0.0, max(m.lease_remaining for m in rest)) + 0.05)
+    ends = max(m.lease_remaining for m in rest)
+    for batch in batches:  # outlives the others' leases and the acks below
+        batch[0].extend(ends + 2 * lease)
+    time.sleep(max(0.0, ends) + 0.05)
     for batch in batches:
         if len(batch) == 1:
             batch.ack()

@@ -13,7 +13,8 @@ it names its subscription only by what it uses of it (``_Receiver``).
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar, overload
 
@@ -31,15 +32,24 @@ _OPEN = (None, "expired")
 
 
 class _Receiver(Source, Protocol):
-    """The subscription as a batch uses it: a message's ``Source`` that also receives."""
+    """The subscription as a batch uses it: a message's ``Source`` that also receives and
+    hands messages back."""
 
     def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]: ...
+
+    def _release(self, messages: Iterable[Message]) -> None: ...
 
 
 def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     """``Subscription.receive_batch``: one ``receive`` waiting up to ``wait`` for the first
-    messages, then more without waiting until ``max_messages``, an empty receive, or half
-    the earliest lease gone (a batch is handed over with at least half its lease left)."""
+    messages, then more without waiting while the batch is not full, the last receive
+    brought some, and more than half the earliest lease is left. So a batch is handed
+    over with half its lease left less the time of at most one receive (the last, started
+    with more than half left: a slow broker call there shortens the batch's lease).
+
+    A broker error from a later receive hands over what was collected (the next receive
+    sees the error); any other error (an interrupt, a bug) hands it back for redelivery
+    at once, since nobody gets the batch, and propagates."""
     sub._check_open()
     check_count(max_messages, "max_messages")
     check_seconds(wait, "wait", math.inf)
@@ -49,15 +59,19 @@ def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     monotonic = sub._broker._monotonic
     earliest = min(m._deadline for m in got)
     half = sub.spec.lease / 2
-    while len(got) < max_messages and earliest - monotonic() > half:
-        try:
-            more = sub.receive(max_messages - len(got), 0.0)
-        except MQError:  # what we hold is handed over; the next receive sees the error
-            break
-        if not more:
-            break
-        got += more
-        earliest = min(earliest, *(m._deadline for m in more))
+    try:
+        while len(got) < max_messages and earliest - monotonic() > half:
+            try:
+                more = sub.receive(max_messages - len(got), 0.0)
+            except MQError:  # what we hold is handed over; the next receive sees the error
+                break
+            if not more:
+                break
+            got += more
+            earliest = min(earliest, *(m._deadline for m in more))
+    except BaseException:
+        sub._release(got)
+        raise
     return Batch(sub, got)
 
 
@@ -75,17 +89,19 @@ class Batch(Sequence[Message]):
     message. Such a settle skips messages settled one by one, settles every other message,
     and then raises ``LeaseExpired`` (naming them in ``ids``) if some leases had run out:
     those come again with the next attempt. A broker error stops it with the rest
-    unsettled; repeating the call settles them. After a whole-batch settle, the same one is
-    a no-op and another raises ``AlreadySettled``. On an empty batch every settle is a
-    no-op (arguments are still checked).
+    unsettled; repeating the call settles them. Whole-batch settles run one at a time
+    (across threads too): after one, the same one is a no-op and another raises
+    ``AlreadySettled``. On an empty batch every settle is a no-op (arguments are still
+    checked).
     """
 
-    __slots__ = ("_done", "_messages", "_sub")
+    __slots__ = ("_done", "_lock", "_messages", "_sub")
 
     def __init__(self, sub: Source, messages: list[Message]) -> None:
         self._sub = sub
         self._messages = messages
         self._done: str | None = None  # the whole-batch settle that ran
+        self._lock = threading.Lock()  # one whole-batch settle at a time
 
     # -- columns ---------------------------------------------------------------------------
     @property
@@ -127,17 +143,15 @@ class Batch(Sequence[Message]):
         except ImportError as exc:
             raise MissingDependency("Batch.to_arrow needs pyarrow: "
                                     "pip install 'mqabstract[arrow]'") from exc
-        msgs = self._messages
         return pa.table({
-            "id": pa.array([m.id for m in msgs], pa.string()),
-            "topic": pa.array([m.topic for m in msgs], pa.string()),
-            "key": pa.array([m.key for m in msgs], pa.string()),
-            "body": pa.array([m.body for m in msgs], pa.binary()),
-            "headers": pa.array([list(m.headers.items()) for m in msgs],
+            "id": pa.array(self.ids, pa.string()),
+            "topic": pa.array(self.topics, pa.string()),
+            "key": pa.array(self.keys, pa.string()),
+            "body": pa.array(self.bodies, pa.binary()),
+            "headers": pa.array([list(m.headers.items()) for m in self._messages],
                                 pa.map_(pa.string(), pa.string())),
-            "attempt": pa.array([m.attempt for m in msgs], pa.int32()),
-            "published_at": pa.array([m.published_at for m in msgs],
-                                     pa.timestamp("us", tz="UTC")),
+            "attempt": pa.array(self.attempts, pa.int32()),
+            "published_at": pa.array(self.published_at, pa.timestamp("us", tz="UTC")),
         })
 
     # -- the messages ----------------------------------------------------------------------
@@ -167,39 +181,22 @@ class Batch(Sequence[Message]):
     @property
     def lease_remaining(self) -> float:
         """Seconds left of the batch's lease: the earliest deadline of its messages not yet
-        settled (≤ 0 once passed; ``inf`` when none is left to settle)."""
+        settled nor refused for their lease (≤ 0 once passed; ``inf`` when none is left)."""
         now = self._sub._broker._monotonic()
-        return min((m._deadline - now for m in self._messages if m._state in _OPEN),
+        return min((m._deadline - now for m in self._messages if m._state is None),
                    default=math.inf)
 
     # -- whole-batch settles ---------------------------------------------------------------
     def ack(self) -> None:
         """Ack every message not settled yet, in one driver call (``ack_many``)."""
-        if not self._begin("acked"):
-            return
-        while True:
-            todo = [m for m in self._messages if m._state in _OPEN]
-            if not todo:
-                break
-            try:
-                self._sub.ack_many(todo)
-            except AlreadySettled:  # one was settled by another thread meanwhile: skip it
-                continue
-            except LeaseExpired as exc:
-                self._done = "acked"
-                late = [m for m in todo if m._state == "expired"]
-                raise (_ran_out(late) if late else exc) from exc
-            break
-        self._done = "acked"
+        self._settle("acked", self._ack_all)
 
     def nack(self, delay: float = 0.0) -> None:
         """Give every message not settled yet back for redelivery after ``delay`` seconds;
         one on its group's final attempt is dead-lettered instead, as by ``Message.nack``."""
-        broker = self._sub._broker
-        seconds = check_seconds(delay, "nack delay", broker.capabilities.max_delay)
-        if seconds > 0:
-            broker._require(Feature.NACK_DELAY)
-        self._each("nacked", lambda m: m.nack(seconds))
+        self._sub._check_nack(delay)
+        seconds = float(delay)
+        self._settle("nacked", _each(lambda m: m.nack(seconds)))
 
     def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
         """Move every message not settled yet to the group's dead-letter store, with
@@ -207,51 +204,63 @@ class Batch(Sequence[Message]):
         if not isinstance(reason, str):
             raise InvalidArgument("reason must be a str")
         self._sub._broker._require(Feature.DEAD_LETTER)
-        self._each("dead-lettered", lambda m: m.dead_letter(reason))
+        self._settle("dead-lettered", _each(lambda m: m.dead_letter(reason)))
 
     def extend(self, seconds: float) -> None:
         """Renew the lease of every message not settled yet: ours for ``seconds`` from now
         (one driver call per message)."""
-        broker = self._sub._broker
-        broker._require(Feature.LEASE_EXTEND)
-        value = broker._check_lease(seconds, "extend")
-        if self._done is not None:
-            raise AlreadySettled(f"this batch was already {self._done}")
-        self._each(None, lambda m: m.extend(value))
+        value = self._sub._check_extend(seconds)
+        self._settle(None, _each(lambda m: m.extend(value)))
 
-    def _begin(self, op: str) -> bool:
-        """Whether a whole-batch ``op`` has anything to do: not on an empty batch, nor
-        (``AlreadySettled``) after another whole-batch settle."""
+    def _settle(self, op: str | None, settle: Callable[[list[Message]], None]) -> None:
+        """A whole-batch settle: ``settle`` the messages not settled yet, in order (``op``:
+        the batch's outcome; None for ``extend``), then raise ``LeaseExpired`` for those
+        whose lease ran out. Nothing on an empty batch; ``AlreadySettled`` after another
+        whole-batch settle. Under the batch's lock: of two at once on two threads, the
+        second sees the first's outcome."""
         if not self._messages:
-            return False
-        if self._done is not None and self._done != op:
-            raise AlreadySettled(f"this batch was already {self._done}")
-        return True
-
-    def _each(self, op: str | None, settle: Callable[[Message], None]) -> None:
-        """``settle`` each message not settled yet, in order; ``LeaseExpired`` for those
-        whose lease ran out, after the others (``op``: the whole-batch settle, None for
-        ``extend``)."""
-        if op is not None and not self._begin(op):
             return
-        late: list[Message] = []
-        for msg in self._messages:
-            if msg._state not in _OPEN:
-                continue
+        with self._lock:
+            if self._done is not None and self._done != op:
+                raise AlreadySettled(f"this batch was already {self._done}")
+            todo = [m for m in self._messages if m._state in _OPEN]
+            error: LeaseExpired | None = None
             try:
-                settle(msg)
-            except LeaseExpired:
-                late.append(msg)
-            except AlreadySettled:  # settled by another thread meanwhile
-                continue
-        if op is not None:
-            self._done = op
+                settle(todo)
+            except LeaseExpired as exc:  # the others are settled: still the batch's outcome
+                error = exc
+            if op is not None:
+                self._done = op
+        late = [m for m in todo if m._state == "expired"]
         if late:
-            raise _ran_out(late)
+            raise _ran_out(late) from error
+        if error is not None:
+            raise error
+
+    def _ack_all(self, todo: list[Message]) -> None:
+        while todo:
+            try:
+                self._sub.ack_many(todo)
+                return
+            except AlreadySettled:  # one was settled by another thread meanwhile: skip it
+                todo = [m for m in todo if m._state in _OPEN]
 
     def __repr__(self) -> str:
         n = len(self._messages)
         return f"Batch({n} message{'' if n == 1 else 's'}, group={self._sub.spec.name!r})"
+
+
+def _each(settle: Callable[[Message], None]) -> Callable[[list[Message]], None]:
+    """A whole-batch settle made of ``settle`` on each message in turn: one whose lease ran
+    out is counted afterwards (by its state), one settled meanwhile by another thread is
+    skipped."""
+    def run(todo: list[Message]) -> None:
+        for msg in todo:
+            try:
+                settle(msg)
+            except (LeaseExpired, AlreadySettled):
+                continue
+    return run
 
 
 class AsyncBatch(Sequence[_M]):

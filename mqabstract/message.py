@@ -60,6 +60,8 @@ class Source(Protocol):
 
     def _settle_dead(self, msg: Message, reason: str, attempts: int) -> None: ...
 
+    def _check_extend(self, seconds: object) -> float: ...
+
     def _extend(self, msg: Message, seconds: object) -> None: ...
 
     def ack_many(self, messages: Iterable[Message]) -> None: ...
@@ -224,14 +226,26 @@ class Message:
             raise _ran_out((self,))
         return True
 
-    def _driver_settle(self, settle: Callable[..., None], *args: Any) -> None:
-        """Run a driver settle; a driver that knows the lease is gone before the deadline
-        (its connection or partition was lost) raises ``LeaseExpired``: not settled then."""
+    def _driver_settle(self, op: str | None, settle: Callable[..., None], *args: Any
+                       ) -> None:
+        """Run a driver settle (``op``: the state ``_begin`` set; None for ``extend``); a
+        driver that knows the lease is gone before the deadline (its connection or
+        partition was lost) raises ``LeaseExpired``: not settled then. Any other error (a
+        broker error, an interrupt) is no settle either, as far as anyone knows: the
+        message is unsettled again, as after a failed ``ack_many``, so any settle may
+        follow (the same one too) and a close hands it back."""
         try:
             settle(self, *args)
         except LeaseExpired:
             self._state = "expired"
             self._sub._gone((self,))
+            raise
+        except BaseException:
+            sub = self._sub
+            with sub._lock:
+                if op is not None and self._state == op:
+                    self._state = None
+                    sub._unsettled.add(self)
             raise
 
     def ack(self) -> None:
@@ -247,7 +261,7 @@ class Message:
         if self._state is None:
             self._sub._check_nack(delay)
         if self._begin("nacked"):
-            self._driver_settle(self._sub._settle_nack, float(delay))
+            self._driver_settle("nacked", self._sub._settle_nack, float(delay))
 
     def dead_letter(self, reason: str = "dead-lettered by consumer") -> None:
         """Move the message to the group's dead-letter store now, with ``reason``."""
@@ -256,14 +270,14 @@ class Message:
         if self._state is None:
             self._sub._broker._require(Feature.DEAD_LETTER)
         if self._begin("dead-lettered"):
-            self._driver_settle(self._sub._settle_dead, reason, self.attempt)
+            self._driver_settle("dead-lettered", self._sub._settle_dead, reason, self.attempt)
 
     def extend(self, seconds: float) -> None:
         """Renew the lease: keep the message ours for ``seconds`` from now."""
         if self.settled:
             raise AlreadySettled(f"message {self.id} was already {self._state}")
         self._check_lease()
-        self._driver_settle(self._sub._extend, seconds)
+        self._driver_settle(None, self._sub._extend, seconds)
 
     def __repr__(self) -> str:
         return (

@@ -414,10 +414,14 @@ class Subscription:
             self._inner.dead_letter(msg._receipt, reason[:1000], attempts)
         self._ungate((msg,), None)
 
-    def _extend(self, msg: Message, seconds: object) -> None:
+    def _check_extend(self, seconds: object) -> float:
+        """An extend's checks (open, supported, a valid lease): the seconds to renew by."""
         self._check_open()
         self._broker._require(Feature.LEASE_EXTEND)
-        value = self._broker._check_lease(seconds, "extend")
+        return self._broker._check_lease(seconds, "extend")
+
+    def _extend(self, msg: Message, seconds: object) -> None:
+        value = self._check_extend(seconds)
         renewed = self._broker._monotonic() + value  # read before the driver renews
         with self._broker._guard:
             self._inner.extend(msg._receipt, value)

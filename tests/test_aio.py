@@ -110,20 +110,22 @@ def test_loop_keeps_ticking_while_receives_wait(tmp_path: Path) -> None:
     run(main)
 
 
-def test_cancelled_receive_leaves_nothing_leased() -> None:
-    """A message taken by the slice of a receive cancelled meanwhile is handed back at once,
-    not held until its lease runs out."""
+@pytest.mark.parametrize("how", ["receive", "receive_batch"])
+def test_cancelled_receive_leaves_nothing_leased(how: str) -> None:
+    """A message taken by the slice of a receive (or receive_batch) cancelled meanwhile is
+    handed back at once, not held until its lease runs out."""
 
     async def main() -> None:
         async with await aio.connect(memory_url()) as mq:
             sub = await mq.subscribe("g", "a.#", lease=300)
-            waiting = asyncio.create_task(sub.receive(1, 10))
+            receive = getattr(sub, how)
+            waiting = asyncio.create_task(receive(1, 10))
             await asyncio.sleep(0.1)  # inside a slice on a pool thread
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
             mid = await mq.publish("a.b", b"x")  # the cancelled slice may still take it
-            [msg] = await sub.receive(1, 3)  # far sooner than the 300 s lease
+            [msg] = await receive(1, 3)  # far sooner than the 300 s lease
             assert msg.id == mid and msg.attempt <= 2
             await msg.ack()
 

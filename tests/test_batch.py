@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -199,6 +201,8 @@ def test_partial_expiry_settles_the_rest_then_raises(
     assert not info.value.retryable
     assert not batch[1].settled and not batch[2].settled
     assert batch[0].settled is (op != "extend")
+    # The refused ones no longer count: the live one's lease, or none left to settle.
+    assert batch.lease_remaining == (LEASE if op == "extend" else float("inf"))
     with pytest.raises(mqabstract.LeaseExpired):  # and again: never reaches the broker
         settle()
     again = sub.receive_batch(10)
@@ -287,24 +291,81 @@ def test_attempts_and_ttl_hold_through_the_batch_path(mq: mqabstract.Broker,
     assert {d.id: d.reason for d in mq.dead_letters("g")}[mortal] == "expired"
 
 
-def test_a_settle_that_fails_leaves_the_batch_open(mq: mqabstract.Broker) -> None:
-    """A broker error is not a settle: nothing is marked, another outcome may follow."""
+def test_two_whole_batch_settles_at_once_one_wins(mq: mqabstract.Broker) -> None:
+    """A nack from another thread while the batch's ack is in the driver waits for it and
+    then raises AlreadySettled, as it would after it."""
     sub = mq.subscribe("g", "a.#", lease=LEASE)
     _publish(mq, 2)
     batch = sub.receive_batch(10)
     inner = sub._inner  # type: ignore[attr-defined]
-    ack = inner.ack
+    real = inner.ack
+    entered, go = threading.Event(), threading.Event()
 
-    def down(receipts: list[object]) -> None:
+    def slow(receipts: list[object]) -> None:
+        entered.set()
+        go.wait(10)
+        real(receipts)
+
+    inner.ack = slow
+    errors: dict[str, BaseException | None] = {}
+
+    def run(op: str) -> None:
+        try:
+            getattr(batch, op)()
+            errors[op] = None
+        except BaseException as exc:
+            errors[op] = exc
+
+    acking = threading.Thread(target=run, args=("ack",))
+    acking.start()
+    assert entered.wait(10)
+    nacking = threading.Thread(target=run, args=("nack",))
+    nacking.start()
+    time.sleep(0.2)  # (without the lock it would be done by now)
+    go.set()
+    acking.join(10)
+    nacking.join(10)
+    assert errors["ack"] is None
+    assert isinstance(errors["nack"], mqabstract.AlreadySettled), errors
+    assert batch.settled and all(m._state == "acked" for m in batch)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["batch", "single"])
+@pytest.mark.parametrize("op", ["ack", "nack", "dead_letter"])
+def test_a_settle_that_fails_leaves_the_batch_open(mq: mqabstract.Broker, clock: FakeClock,
+                                                   op: str, whole: bool) -> None:
+    """A broker error is not a settle: nothing is marked, the messages are ours again (a
+    close would hand them back) and any outcome may follow, the same one too."""
+    sub = mq.subscribe("g", "a.#", lease=LEASE)
+    ids = _publish(mq, 2)
+    batch = sub.receive_batch(10)
+    inner = sub._inner  # type: ignore[attr-defined]
+    real = getattr(inner, op)
+
+    def down(*args: object) -> None:
         raise mqabstract.ConnectionFailed("broker away")
 
-    inner.ack = down
+    def settle(target: Any, how: str = op) -> None:
+        getattr(target, how)(*(("bad",) if how == "dead_letter" else ()))
+
+    setattr(inner, op, down)
     with pytest.raises(mqabstract.ConnectionFailed):
-        batch.ack()
+        settle(batch) if whole else [settle(m) for m in batch]
     assert not batch[0].settled and not batch[1].settled
-    inner.ack = ack
-    batch.nack()  # not AlreadySettled: the ack did not happen
+    assert set(batch) <= sub._unsettled  # type: ignore[attr-defined]
+    setattr(inner, op, real)
+    settle(batch[0])  # the same again: it happens now (no no-op)
+    other = "nack" if op == "ack" else "ack"
+    settle(batch[1], other)  # or another outcome (no AlreadySettled)
     assert batch.settled
+    back = sub.receive_batch(10)  # nacked ones at once, the others never
+    assert back.ids == ([ids[0] if op == "nack" else ids[1]] if "nack" in (op, other)
+                        else [])
+    assert back.attempts == [2] * len(back)
+    back.ack()
+    assert [d.id for d in mq.dead_letters("g")] == ([ids[0]] if op == "dead_letter" else [])
+    clock.advance(3600)
+    assert not sub.receive_batch(10)
 
 
 def test_filling_stops_when_nothing_more_is_ready_or_half_the_lease_is_gone(
@@ -353,6 +414,34 @@ def test_filling_stops_when_nothing_more_is_ready_or_half_the_lease_is_gone(
     batch.ack()
     with pytest.raises(mqabstract.ConnectionFailed):
         sub.receive_batch(6)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_filling_that_fails_otherwise_hands_back_what_it_held(
+        mq: mqabstract.Broker, clock: FakeClock, error: type[BaseException]) -> None:
+    """Not a broker error (a bug, an interrupt): nobody gets the batch, so what was
+    collected goes back at once (not after its lease), and the error propagates."""
+    sub = mq.subscribe("g", "a.#", lease=LEASE)
+    ids = _publish(mq, 3)
+    real = sub.receive
+
+    def first(n: int = 1, wait: float = 0.0) -> list[Message]:
+        sub.receive = failing  # type: ignore[method-assign]
+        return real(2, wait)
+
+    def failing(n: int = 1, wait: float = 0.0) -> list[Message]:
+        raise error("stop")
+
+    sub.receive = first  # type: ignore[method-assign]
+    with pytest.raises(error):
+        sub.receive_batch(10)
+    del sub.receive  # type: ignore[method-assign]
+    assert not sub._unsettled  # type: ignore[attr-defined]
+    back = sub.receive_batch(10)  # at once: no clock advance
+    assert sorted(back.ids) == sorted(ids)
+    back.ack()
+    clock.advance(3600)
+    assert not sub.receive_batch(10)
 
 
 @pytest.mark.parametrize("scheme", ["memory", "loose"])
@@ -428,22 +517,5 @@ def test_asyncio_twin(clock: FakeClock) -> None:
             with pytest.raises(mqabstract.LeaseExpired) as info:
                 await gone.ack()
             assert info.value.ids == tuple(late)
-
-    asyncio.run(asyncio.wait_for(main(), 60))
-
-
-def test_cancelled_async_receive_batch_leaves_nothing_leased() -> None:
-    async def main() -> None:
-        async with await aio.connect(f"memory://acancel-{uuid.uuid4().hex}") as mq:
-            sub = await mq.subscribe("g", "a.#", lease=300)
-            waiting = asyncio.create_task(sub.receive_batch(10, 10))
-            await asyncio.sleep(0.1)  # inside a slice on a pool thread
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
-            mid = await mq.publish("a.b", b"x")  # the cancelled slice may still take it
-            batch = await sub.receive_batch(10, 3)  # far sooner than the 300 s lease
-            assert batch.ids == [mid] and batch.attempts[0] <= 2
-            await batch.ack()
 
     asyncio.run(asyncio.wait_for(main(), 60))
