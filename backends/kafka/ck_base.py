@@ -36,7 +36,12 @@ _DOWN = {_E._TRANSPORT, _E._ALL_BROKERS_DOWN, _E._RESOLVE, _E.NOT_COORDINATOR,
          _E.COORDINATOR_NOT_AVAILABLE, _E.COORDINATOR_LOAD_IN_PROGRESS, _E._WAIT_COORD,
          _E.LEADER_NOT_AVAILABLE, _E.NOT_LEADER_FOR_PARTITION, _E.UNKNOWN_TOPIC_OR_PART,
          _E._UNKNOWN_PARTITION, _E.BROKER_NOT_AVAILABLE, _E.NETWORK_EXCEPTION,
-         getattr(_E, "_DESTROY", _E._TRANSPORT)}
+         getattr(_E, "_DESTROY", _E._TRANSPORT),
+         # A request to a broker handle librdkafka decommissioned (a node gone from the
+         # metadata, KIP-1102's re-bootstrap): local, and over once it knows the cluster
+         # again. Unlisted, it stopped a data consumer for good when a leader was killed
+         # (CI rehearsal, 27 Nov, test_plain_url_sigkill_leader).
+         getattr(_E, "_DESTROY_BROKER", _E._TRANSPORT)}
 
 
 def _error(err: Any, where: str = "") -> ClientError:

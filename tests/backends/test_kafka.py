@@ -817,3 +817,14 @@ def test_capabilities_say_what_a_confirmed_publish_survives(url) -> None:
         assert "when 2 in-sync replicas" in mq.capabilities.confirmed_survives
     with mqabstract.connect(f"{url}{sep}replication_factor=-1&min_insync_replicas=-1") as mq:
         assert "broker's defaults" in mq.capabilities.confirmed_survives
+
+
+def test_a_destroyed_broker_handle_is_transient() -> None:
+    """librdkafka fails a request to a broker handle it decommissioned (a node gone from
+    the metadata) with ``_DESTROY_BROKER``: a data consumer that took it for fatal stopped
+    for good when a cluster leader was SIGKILLed (CI rehearsal, 27 Nov)."""
+    ck = pytest.importorskip("confluent_kafka")
+    from mqabstract.backends.kafka.ck_base import classify
+
+    err = classify(ck.KafkaException(ck.KafkaError(ck.KafkaError._DESTROY_BROKER)))
+    assert err.kind is Kind.TRANSIENT and err.retriable
