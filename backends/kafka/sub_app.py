@@ -256,6 +256,10 @@ class ApplicationSide(GroupMember, DriverSubscription):
         with self.lock:
             if self.leased.get(receipt) is rec:
                 rec.deadline = until
+                return
+        # Its lease ran out (the data thread moved it on) or its partition moved while
+        # the fence was in flight: not renewed, and the caller must know.
+        raise self._stale(receipt)
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         rec = self._settle(receipt)

@@ -828,3 +828,32 @@ def test_a_destroyed_broker_handle_is_transient() -> None:
 
     err = classify(ck.KafkaException(ck.KafkaError(ck.KafkaError._DESTROY_BROKER)))
     assert err.kind is Kind.TRANSIENT and err.retriable
+
+
+def test_an_extend_whose_lease_ends_during_its_fence_raises(url, names) -> None:
+    """``extend`` commits (fences) before it renews; when the record's lease ran out
+    meanwhile (the data thread expired it and it is delivered again), the extend must
+    raise ``LeaseExpired``, not return as if the lease were renewed."""
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=30)
+        mq.publish(f"{root}.a", b"x")
+        got = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = sub.receive(1, 1.0)
+        [msg] = got
+        inner = sub._inner
+        fence_for = inner._fence_for
+
+        def expired_meanwhile(rec: Any, move: bool = True) -> Any:
+            out = fence_for(rec, move)
+            with inner.lock:  # what the data thread's expiry does to the lease first
+                for token, leased in list(inner.leased.items()):
+                    if leased is rec:
+                        del inner.leased[token]
+            return out
+
+        inner._fence_for = expired_meanwhile
+        with pytest.raises(mqabstract.LeaseExpired):
+            msg.extend(60)
