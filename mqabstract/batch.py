@@ -19,7 +19,6 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar, overload
 
 from .capabilities import Feature
-from .checks import check_count, check_seconds
 from .errors import AlreadySettled, InvalidArgument, LeaseExpired, MissingDependency, MQError
 from .message import Message, Source, _ran_out
 
@@ -49,10 +48,8 @@ def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
 
     A broker error from a later receive hands over what was collected (the next receive
     sees the error); any other error (an interrupt, a bug) hands it back for redelivery
-    at once, since nobody gets the batch, and propagates."""
-    sub._check_open()
-    check_count(max_messages, "max_messages")
-    check_seconds(wait, "wait", math.inf)
+    at once, since nobody gets the batch, and propagates. The first ``receive`` checks the
+    arguments (and that the subscription is open) before anything is received."""
     got = sub.receive(max_messages, wait)
     if not got:
         return Batch(sub, got)
