@@ -185,8 +185,8 @@ class Part:
 class Rec:
     """A fetched record on its way to the application."""
 
-    __slots__ = ("body", "deadline", "due", "headers", "hops", "id", "key", "n", "offset",
-                 "published_at", "since", "topic", "tp")
+    __slots__ = ("body", "deadline", "due", "fencing", "headers", "hops", "id", "key", "n",
+                 "offset", "published_at", "since", "topic", "tp")
 
     body: bytes
     headers: dict[str, str]
@@ -213,3 +213,4 @@ class Rec:
         self.hops = hops
         self.deadline = 0.0
         self.since = 0.0
+        self.fencing = 0  # extends whose fence is in flight (the lease is not expired)

@@ -130,9 +130,14 @@ class ApplicationSide(GroupMember, DriverSubscription):
         """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter: ``move``,
         then ``_end_move`` after the write; returns the group snapshot for the
         transaction, ``_snapshot``) or extends its lease: wait out a rebalance within the
-        lease; ``LeaseExpired`` when the partition is not ours any more."""
-        end = time.monotonic() + min(max(0.5, rec.deadline - time.time()),
-                                     self.d.opts["request_timeout_ms"] / 1000)
+        lease; ``LeaseExpired`` when the partition is not ours any more.
+
+        The settle was admitted before its deadline, so it takes effect even when the
+        commit lands after it (the record is out of the data thread's expiry meanwhile):
+        the commit gets the whole request timeout, not what is left of the lease; only
+        waiting for a rebalance to end is bounded by the lease."""
+        request = self.d.opts["request_timeout_ms"] / 1000
+        end = time.monotonic() + min(max(0.5, rec.deadline - time.time()), request)
         while True:
             with self.lock:
                 owned = rec.tp in self.parts
@@ -143,7 +148,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
                                    "consumer of the group")
             left = end - time.monotonic()
             if owned and self.group.stable():  # (kafka-python's lock: not under ours)
-                self._fence(max(0.05, left), force={rec.tp})
+                self._fence(request, force={rec.tp})
                 if not move:
                     return None
                 meta = self._snapshot()
@@ -240,7 +245,10 @@ class ApplicationSide(GroupMember, DriverSubscription):
     def extend(self, receipt: Any, seconds: float) -> None:
         """Renew a lease. A longer deadline than the partition's checkpoint records is
         committed (fenced) first: a new owner of the partition (after a freeze or a
-        rebalance) holds the record until then. On failure the lease is not renewed."""
+        rebalance) holds the record until then. While the fence is in flight the data
+        thread does not expire the record (the extend was admitted before its deadline
+        and takes effect when the commit lands after it). On failure the lease is not
+        renewed."""
         until = time.time() + seconds
         with self.lock:
             rec = self.leased.get(receipt)
@@ -252,13 +260,18 @@ class ApplicationSide(GroupMember, DriverSubscription):
                 return
             if part is not None:
                 part.deadline = until
-        self._fence_for(rec, move=False)
+            rec.fencing += 1
+        try:
+            self._fence_for(rec, move=False)
+        finally:
+            with self.lock:
+                rec.fencing -= 1
         with self.lock:
             if self.leased.get(receipt) is rec:
                 rec.deadline = until
                 return
-        # Its lease ran out (the data thread moved it on) or its partition moved while
-        # the fence was in flight: not renewed, and the caller must know.
+        # Its partition moved (the record left the leases) while the fence was in
+        # flight: not renewed, and the caller must know.
         raise self._stale(receipt)
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:

@@ -368,7 +368,7 @@ class DataReader(GroupMember):
         handoff: list[Rec] = []
         with self.cv:
             for token, rec in list(self.leased.items()):
-                if rec.deadline <= now:
+                if rec.deadline <= now and not rec.fencing:  # (an extend in flight: kept)
                     if rec.tp in self.parts:
                         del self.leased[token]
                         expired.append(rec)

@@ -831,9 +831,9 @@ def test_a_destroyed_broker_handle_is_transient() -> None:
 
 
 def test_an_extend_whose_lease_ends_during_its_fence_raises(url, names) -> None:
-    """``extend`` commits (fences) before it renews; when the record's lease ran out
-    meanwhile (the data thread expired it and it is delivered again), the extend must
-    raise ``LeaseExpired``, not return as if the lease were renewed."""
+    """``extend`` commits (fences) before it renews; when the record left the leases
+    meanwhile (its partition moved, and the new owner delivers it again), the extend
+    must raise ``LeaseExpired``, not return as if the lease were renewed."""
     group, root = names
     with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
         sub = mq.subscribe(group, f"{root}.#", lease=30)
@@ -857,3 +857,79 @@ def test_an_extend_whose_lease_ends_during_its_fence_raises(url, names) -> None:
         inner._fence_for = expired_meanwhile
         with pytest.raises(mqabstract.LeaseExpired):
             msg.extend(60)
+
+
+def _received_one(sub: Any, topic: str, mq: Any) -> Any:
+    mq.publish(topic, b"x")
+    got: list[Any] = []
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        got = sub.receive(1, 1.0)
+    [msg] = got
+    return msg
+
+
+def test_an_extend_whose_commit_lands_after_the_deadline_takes_effect(url, names) -> None:
+    """An extend admitted before the deadline takes effect even when its fence (the
+    commit) lands after it: the data thread must not expire the record meanwhile (it
+    did, and a loaded broker's slow commit turned a timely extend into a redelivery)."""
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=1.0)
+        msg = _received_one(sub, f"{root}.a", mq)
+        inner = sub._inner
+        fence = inner._fence
+        with inner.lock:
+            [rec] = inner.leased.values()
+
+        def slow_commit(budget: float, force: Any = ()) -> None:
+            if threading.current_thread() is threading.main_thread():
+                time.sleep(max(0.0, rec.deadline - time.time()) + 0.5)
+            fence(budget, force)
+
+        inner._fence = slow_commit
+        msg.extend(10)
+        inner._fence = fence
+        assert msg.lease_remaining > 8
+        assert not sub.receive(1, 2.0)  # not expired, not delivered again
+        msg.ack()
+
+
+def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
+    """A nack admitted 0.3 s before the deadline whose commit takes 0.8 s (a loaded
+    broker) takes effect: the fence waits for the commit as long as any request, not
+    only for what is left of the lease (it gave up after 0.5 s with ``Timeout``)."""
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=1.0)
+        msg = _received_one(sub, f"{root}.a", mq)
+        inner = sub._inner
+        schedule = inner._schedule
+
+        class Slow:
+            def __init__(self, sent: Any) -> None:
+                self.sent = sent
+
+            def wait(self, timeout: float) -> Any:
+                time.sleep(min(timeout, 0.8))
+                if timeout < 0.8:
+                    return ClientError(Kind.TIMEOUT, "not confirmed (slow broker)")
+                return self.sent.wait(timeout - 0.8)
+
+        def slow(force: Any, patience: float = -1) -> Any:
+            sent, gen, foreign = schedule(force, patience)
+            if sent is not None and threading.current_thread() is threading.main_thread():
+                sent = Slow(sent)
+            return sent, gen, foreign
+
+        inner._schedule = slow
+        time.sleep(max(0.0, msg.lease_remaining - 0.3))
+        msg.nack()
+        inner._schedule = schedule
+        got: list[Any] = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = sub.receive(1, 1.0)
+        [again] = got
+        assert (again.id, again.attempt) == (msg.id, 2)
+        again.ack()
