@@ -120,5 +120,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
                                f"(conftest.CI_SKIPS): {reason}")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    """The same rule for a module skipped whole at collection (a module-level
+    ``importorskip``), which no test report carries."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and _in_ci():
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+        if not any(word in reason for word in CI_SKIPS):
+            report.outcome = "failed"
+            report.longrepr = (f"CI=true: {collector.nodeid} skipped for a reason CI does "
+                               f"not allow (conftest.CI_SKIPS): {reason}")
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
