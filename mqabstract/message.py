@@ -48,6 +48,11 @@ class Source(Protocol):
     @property
     def _unsettled(self) -> set[Message]: ...
 
+    @property
+    def _extending(self) -> dict[Message, threading.Event]: ...
+
+    def _await_extend(self, msg: Message) -> None: ...
+
     def _check_open(self) -> None: ...
 
     def _gone(self, messages: Sequence[Message]) -> None: ...
@@ -196,6 +201,8 @@ class Message:
 
     def _check_lease(self) -> None:
         """Raise ``LeaseExpired`` (and give the message up) at or after the deadline."""
+        if self._sub._extending:
+            self._sub._await_extend(self)
         if self._state == "expired" or self._sub._broker._monotonic() >= self._deadline:
             if self._state != "expired":  # told once, on the way into "expired"
                 self._state = "expired"
@@ -210,6 +217,8 @@ class Message:
         broker."""
         sub = self._sub
         sub._check_open()
+        if sub._extending:
+            sub._await_extend(self)
         with sub._lock:
             state = self._state
             if state == op:

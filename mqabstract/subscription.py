@@ -120,6 +120,8 @@ class Subscription:
         self.model = model  #: what ``Message.value`` is built into (``subscribe(model=)``)
         self._lock = threading.Lock()
         self._unsettled: set[Message] = set()
+        #: extends in flight (``_extend``), which a settle judged late waits for
+        self._extending: dict[Message, threading.Event] = {}
         self._closed = False
         self._stop = threading.Event()
         # A pattern starting with a wildcard also matches the reply routes' topics; their
@@ -338,6 +340,9 @@ class Subscription:
             state = msg._state
             if state is not None and state != "acked" and state != "expired":
                 raise AlreadySettled(f"message {msg.id} was already {state}")
+        if self._extending:
+            for msg in batch:
+                self._await_extend(msg)
         now = self._broker._monotonic()
         todo: list[Message] = []
         late: list[Message] = []
@@ -423,9 +428,27 @@ class Subscription:
     def _extend(self, msg: Message, seconds: object) -> None:
         value = self._check_extend(seconds)
         renewed = self._broker._monotonic() + value  # read before the driver renews
-        with self._broker._guard:
-            self._inner.extend(msg._receipt, value)
-        msg._deadline = renewed
+        done = threading.Event()
+        with self._lock:
+            self._extending[msg] = done
+        try:
+            with self._broker._guard:
+                self._inner.extend(msg._receipt, value)
+            msg._deadline = renewed
+        finally:
+            with self._lock:
+                if self._extending.get(msg) is done:
+                    del self._extending[msg]
+            done.set()
+
+    def _await_extend(self, msg: Message) -> None:
+        """A settle of ``msg`` at or after its deadline first waits for an extend in
+        flight on another thread: admitted before the deadline, it takes effect (the
+        driver may renew the lease after it), and the settle is judged on its outcome —
+        not refused while the broker holds the message for the new lease."""
+        done = self._extending.get(msg)
+        if done is not None and self._broker._monotonic() >= msg._deadline:
+            done.wait()
 
     # -- push-style loop ------------------------------------------------------------------
     def consume(

@@ -51,6 +51,63 @@ def test_lease_expiry_and_extend_on_fake_clock(mq: mqabstract.Broker, clock: Fak
     assert sub.receive(1, 0) == []
 
 
+@pytest.mark.parametrize("op", ["ack", "nack", "ack_many", "extend"])
+def test_a_settle_after_the_deadline_waits_for_an_extend_in_flight(
+        mq: mqabstract.Broker, clock: FakeClock, op: str) -> None:
+    """An extend admitted before the deadline whose driver call ends after it takes
+    effect; a settle on another thread judged late meanwhile must wait for its outcome,
+    not be refused while the broker holds the message for the new lease (it would come
+    back a whole extension late, after the caller was told it comes again)."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish("a.b", b"x")
+    [m] = sub.receive(1, 0)
+    inner = sub._inner  # type: ignore[attr-defined]
+    real, entered, go = inner.extend, threading.Event(), threading.Event()
+
+    def slow(receipt: Any, seconds: float) -> None:
+        entered.set()
+        go.wait(30)
+        real(receipt, seconds)
+
+    inner.extend = slow
+    extender = threading.Thread(target=m.extend, args=(60,))
+    extender.start()
+    assert entered.wait(30)
+    clock.advance(31)  # past the deadline while the extend is in flight
+    inner.extend = real
+    errors: list[BaseException] = []
+
+    def settle() -> None:
+        try:
+            if op == "ack_many":
+                sub.ack_many([m])
+            elif op == "extend":
+                m.extend(60)
+            else:
+                getattr(m, op)()
+        except BaseException as exc:  # noqa: BLE001 (asserted below)
+            errors.append(exc)
+
+    settler = threading.Thread(target=settle)
+    settler.start()
+    try:
+        settler.join(0.3)
+        assert settler.is_alive() and not errors, errors  # waiting for the extend
+    finally:
+        go.set()
+    extender.join(30)
+    settler.join(30)
+    assert not errors, errors
+    if op == "extend":
+        m.ack()
+    if op == "nack":
+        [again] = sub.receive(1, 0)
+        assert (again.id, again.attempt) == (m.id, 2)
+        again.ack()
+    clock.advance(3600)
+    assert sub.receive(1, 0) == []
+
+
 def test_messages_returned_after_their_lease_ended_are_not_handed_out(
         mq: mqabstract.Broker, clock: FakeClock) -> None:
     """A driver call that outlasts the lease (here the clock jumps 31 s while the receive

@@ -254,25 +254,31 @@ class ApplicationSide(GroupMember, DriverSubscription):
             rec = self.leased.get(receipt)
             if rec is None:
                 raise self._stale(receipt)  # the lease expired or the partition moved
-            part = self.parts.get(rec.tp)
+            # (suspended by a revocation too: if the partition comes back, the fence
+            # commits this deadline, else it fails)
+            part = self._part(rec.tp)
             if part is not None and part.deadline >= until:
                 rec.deadline = until
                 return
             if part is not None:
+                # Not taken back if the fence fails: the commit may have landed, and an
+                # extend that found this deadline recorded returned on it (above).
                 part.deadline = until
             rec.fencing += 1
+        fenced = False
         try:
             self._fence_for(rec, move=False)
+            fenced = True
         finally:
-            with self.lock:
-                rec.fencing -= 1
-        with self.lock:
-            if self.leased.get(receipt) is rec:
-                rec.deadline = until
-                return
-        # Its partition moved (the record left the leases) while the fence was in
-        # flight: not renewed, and the caller must know.
-        raise self._stale(receipt)
+            with self.lock:  # one critical section: the data thread sees the old
+                rec.fencing -= 1  # deadline with the fence in flight or the new one
+                renewed = fenced and self.leased.get(receipt) is rec
+                if renewed:
+                    rec.deadline = until
+        if not renewed:
+            # Its partition moved (the record left the leases) while the fence was in
+            # flight: not renewed, and the caller must know.
+            raise self._stale(receipt)
 
     def dead_letter(self, receipt: Any, reason: str, attempts: int) -> None:
         rec = self._settle(receipt)

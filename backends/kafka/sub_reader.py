@@ -355,8 +355,10 @@ class DataReader(GroupMember):
             if self.held:
                 wake = min(wake, self.held[0][0])
             for rec in self.leased.values():
-                # (an expired lease on a suspended partition waits for the assignment)
-                wake = min(wake, max(rec.deadline, now + 0.05))
+                # (an expired lease on a suspended partition waits for the assignment;
+                # one whose extend is in flight waits for the extend)
+                if not rec.fencing:
+                    wake = min(wake, max(rec.deadline, now + 0.05))
             if self.ready and not self.waiting:
                 wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
         return int(max(0.005, wake - now) * 1000)

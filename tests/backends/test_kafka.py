@@ -890,18 +890,18 @@ def test_an_extend_whose_commit_lands_after_the_deadline_takes_effect(url, names
         inner._fence = slow_commit
         msg.extend(10)
         inner._fence = fence
-        assert msg.lease_remaining > 8
+        assert msg.lease_remaining > 2  # renewed (the commit itself may be slow here)
         assert not sub.receive(1, 2.0)  # not expired, not delivered again
         msg.ack()
 
 
 def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
-    """A nack admitted 0.3 s before the deadline whose commit takes 0.8 s (a loaded
+    """A nack admitted ~0.5 s before the deadline whose commit takes 0.8 s (a loaded
     broker) takes effect: the fence waits for the commit as long as any request, not
     only for what is left of the lease (it gave up after 0.5 s with ``Timeout``)."""
     group, root = names
     with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
-        sub = mq.subscribe(group, f"{root}.#", lease=1.0)
+        sub = mq.subscribe(group, f"{root}.#", lease=2.0)
         msg = _received_one(sub, f"{root}.a", mq)
         inner = sub._inner
         schedule = inner._schedule
@@ -923,8 +923,8 @@ def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
             return sent, gen, foreign
 
         inner._schedule = slow
-        time.sleep(max(0.0, msg.lease_remaining - 0.3))
-        msg.nack()
+        time.sleep(max(0.0, msg.lease_remaining - 0.5))
+        msg.nack()  # raised Timeout before the change
         inner._schedule = schedule
         got: list[Any] = []
         deadline = time.monotonic() + 30
@@ -933,3 +933,4 @@ def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
         [again] = got
         assert (again.id, again.attempt) == (msg.id, 2)
         again.ack()
+        assert not sub.receive(1, 3.0)  # one copy: the nack's, not also an expiry's
