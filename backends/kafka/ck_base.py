@@ -41,7 +41,13 @@ _DOWN = {_E._TRANSPORT, _E._ALL_BROKERS_DOWN, _E._RESOLVE, _E.NOT_COORDINATOR,
          # metadata, KIP-1102's re-bootstrap): local, and over once it knows the cluster
          # again. Unlisted, it stopped a data consumer for good when a leader was killed
          # (CI rehearsal, 27 Nov, test_plain_url_sigkill_leader).
-         getattr(_E, "_DESTROY_BROKER", _E._TRANSPORT)}
+         getattr(_E, "_DESTROY_BROKER", _E._TRANSPORT),
+         # Stale metadata after a leader change (Kafka's retriable InvalidMetadata family;
+         # librdkafka does not flag them retriable on an offsets request). Unlisted,
+         # FENCED_LEADER_EPOCH stopped a data consumer after a paused broker came back
+         # (session 22's sitting, container pause).
+         _E.FENCED_LEADER_EPOCH, _E.UNKNOWN_LEADER_EPOCH, _E.OFFSET_NOT_AVAILABLE,
+         _E.KAFKA_STORAGE_ERROR}
 
 
 def _error(err: Any, where: str = "") -> ClientError:

@@ -1,11 +1,13 @@
 """Client failures as portable errors (``native``), and which of them a background thread
-waits out (``transient``).
+waits out (``transient``, ``Patience``).
 
 Shared by the driver and its subscriptions: a module of its own, so that neither imports
 the other for them.
 """
 
 from __future__ import annotations
+
+import time
 
 from mqabstract.errors import (
     ConnectionFailed,
@@ -18,7 +20,11 @@ from mqabstract.url import BrokerURL, redact
 
 from .client import ClientError, Kind
 
-__all__ = ["native", "transient"]
+__all__ = ["UNKNOWN_PATIENCE", "Patience", "native", "transient"]
+
+#: How long a background thread keeps trying after broker errors the classifier does
+#: not know before it stops (``Patience``).
+UNKNOWN_PATIENCE = 60.0
 
 
 def native(exc: BaseException, what: str, url: BrokerURL) -> MQError:
@@ -54,3 +60,30 @@ def transient(exc: BaseException) -> bool:
     if isinstance(exc, ClientError):
         return exc.retriable
     return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+class Patience:
+    """Whether a background thread's call site retries after a failure: a ``transient``
+    one always; a broker error the classifier does not know (``Kind.OTHER``) until such
+    errors have lasted ``limit`` seconds in a row (``ok`` after each success ends a run).
+    A retriable code missing from the classifier's lists must not stop a consumer for
+    good (it did twice: ``_DESTROY_BROKER``, ``FENCED_LEADER_EPOCH``), and one that is
+    really permanent still surfaces."""
+
+    __slots__ = ("limit", "since")
+
+    def __init__(self, limit: float | None = None) -> None:
+        self.limit = UNKNOWN_PATIENCE if limit is None else limit
+        self.since = 0.0  # (monotonic) the first unknown error of the current run
+
+    def ok(self) -> None:
+        self.since = 0.0
+
+    def retry(self, exc: BaseException) -> bool:
+        if transient(exc):
+            return True
+        if not (isinstance(exc, ClientError) and exc.kind is Kind.OTHER):
+            return False
+        now = time.monotonic()
+        self.since = self.since or now
+        return now - self.since < self.limit

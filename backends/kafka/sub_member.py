@@ -20,7 +20,7 @@ from mqabstract.errors import LeaseExpired, MQError, Timeout
 from mqabstract.url import redact
 
 from .client import TP, ClientError, Fetched, Kind, Outgoing, Pending
-from .errors import native, transient
+from .errors import Patience, native
 from .names import slot
 from .state import Part, Rec
 from .sub_state import SubscriptionState
@@ -59,15 +59,17 @@ class GroupMember(SubscriptionState):
     # -- group thread ------------------------------------------------------------------------
     def _run_group(self) -> None:
         retry_at = 0.0  # when to position a new assignment again after a failure
+        polls, takes = Patience(), Patience()
         try:
             while not self.group_stopping:
                 try:
                     recs = self.group.poll(0.2, 1000)
+                    polls.ok()
                 except Exception as exc:
                     # A poll can raise the connection error of a coordinator lookup made
                     # while the broker is down; the same consumer works again once the
                     # broker is back.
-                    if not transient(exc):
+                    if not polls.retry(exc):
                         raise
                     log.info("kafka: group consumer of %s waits for the broker: %s",
                              self.spec.name, redact(str(exc))[:300])
@@ -78,8 +80,9 @@ class GroupMember(SubscriptionState):
                 if self.new_assignment is not None and time.monotonic() >= retry_at:
                     try:
                         self._take_assignment()
+                        takes.ok()
                     except Exception as exc:
-                        if not transient(exc):
+                        if not takes.retry(exc):
                             raise
                         # The broker is restarting: keep polling (heartbeats, the join)
                         # and position the assignment once it answers again.

@@ -19,7 +19,7 @@ from mqabstract.names import topic_matches
 from mqabstract.url import redact
 
 from .client import TP, Fetched, Reader
-from .errors import transient
+from .errors import Patience, transient
 from .names import HASHED, INTERNAL, slot, unescape
 from .state import Rec
 from .sub_member import GroupMember, _Unknown
@@ -51,6 +51,7 @@ class DataReader(GroupMember):
     # -- data thread --------------------------------------------------------------------------
     def _run_data(self) -> None:
         pause = 0.0  # back-off while the broker does not answer
+        patience = Patience()
         try:
             while not self.stopping:
                 if pause:
@@ -68,6 +69,7 @@ class DataReader(GroupMember):
                             elif not self.stopping:  # unassigned: any notify ends it
                                 self.cv.wait(wait)
                         pause = 0.0
+                        patience.ok()
                         continue
                     recs = self.data.poll(self._poll_ms() / 1000, 1000)
                     if recs:
@@ -76,13 +78,18 @@ class DataReader(GroupMember):
                             self.data_seen[tp] = now
                         self._ingest(recs)
                     pause = 0.0
+                    patience.ok()
                     self._check_stalled()
                 except Exception as exc:
                     # A broker restart or outage: retry; the subscription recovers with
                     # the broker (the same object, as the contract requires).
-                    if not transient(exc):
+                    if not patience.retry(exc):
                         raise
-                    if not pause:
+                    if not transient(exc) and not pause:
+                        log.warning("kafka: consumer of %s retries after an unknown broker "
+                                    "error (stops after %.0f s of them): %s", self.spec.name,
+                                    patience.limit, redact(str(exc))[:300])
+                    elif not pause:
                         log.info("kafka: consumer of %s waits for the broker: %s",
                                  self.spec.name, redact(str(exc))[:300])
                     pause = min(max(pause * 2, 0.1), 2.0)

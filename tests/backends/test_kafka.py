@@ -819,15 +819,73 @@ def test_capabilities_say_what_a_confirmed_publish_survives(url) -> None:
         assert "broker's defaults" in mq.capabilities.confirmed_survives
 
 
-def test_a_destroyed_broker_handle_is_transient() -> None:
+@pytest.mark.parametrize("code", ["_DESTROY_BROKER", "FENCED_LEADER_EPOCH",
+                                  "UNKNOWN_LEADER_EPOCH", "OFFSET_NOT_AVAILABLE"])
+def test_broker_errors_that_pass_are_transient(code: str) -> None:
     """librdkafka fails a request to a broker handle it decommissioned (a node gone from
-    the metadata) with ``_DESTROY_BROKER``: a data consumer that took it for fatal stopped
-    for good when a cluster leader was SIGKILLed (CI rehearsal, 27 Nov)."""
+    the metadata) with ``_DESTROY_BROKER``, and an offsets request with stale metadata
+    after a leader change with ``FENCED_LEADER_EPOCH`` (not flagged retriable): a data
+    consumer that took either for fatal stopped for good (CI rehearsal, 27 Nov: a cluster
+    leader SIGKILLed; session 22's sitting: a paused container broker)."""
     ck = pytest.importorskip("confluent_kafka")
     from mqabstract.backends.kafka.ck_base import classify
 
-    err = classify(ck.KafkaException(ck.KafkaError(ck.KafkaError._DESTROY_BROKER)))
+    err = classify(ck.KafkaException(ck.KafkaError(getattr(ck.KafkaError, code))))
     assert err.kind is Kind.TRANSIENT and err.retriable
+
+
+def test_patience_retries_unknown_broker_errors_for_a_while_only() -> None:
+    from mqabstract.backends.kafka.errors import Patience
+
+    p = Patience(0.05)
+    unknown, fatal = ClientError(Kind.OTHER, "x"), ClientError(Kind.FATAL, "y")
+    assert p.retry(ClientError(Kind.TRANSIENT, "z")) and p.retry(unknown)
+    assert not p.retry(fatal) and not p.retry(ValueError("a bug"))
+    time.sleep(0.06)
+    assert not p.retry(unknown)  # a run of unknown errors as long as the limit: stop
+    p.ok()
+    assert p.retry(unknown)  # a success ended the run
+
+
+def test_a_data_consumer_rides_out_unknown_broker_errors(url, names, monkeypatch) -> None:
+    """The data thread retries after broker errors the classifier does not know for up to
+    a minute (``Patience``); it used to stop for good at the first one."""
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=30)
+        inner = sub._inner
+        refresh, failures = inner._refresh_data, []
+
+        def flaky() -> None:
+            if len(failures) < 3:
+                failures.append(1)
+                raise ClientError(Kind.OTHER, "SOME_NEW_CODE: not in the classifier's lists")
+            refresh()
+
+        inner._refresh_data = flaky
+        msg = _received_one(sub, f"{root}.a", mq)
+        assert len(failures) == 3
+        msg.ack()
+
+
+def test_a_data_consumer_stops_after_unknown_errors_outlast_the_patience(
+        url, names, monkeypatch) -> None:
+    from mqabstract.backends.kafka import errors
+
+    monkeypatch.setattr(errors, "UNKNOWN_PATIENCE", 1.0)
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=30)
+        inner = sub._inner
+
+        def broken() -> None:
+            raise ClientError(Kind.OTHER, "TOPIC_AUTHORIZATION_FAILED: not allowed")
+
+        inner._refresh_data = broken
+        inner.data_thread.join(30)
+        assert not inner.data_thread.is_alive()
+        with pytest.raises(mqabstract.MQError, match="TOPIC_AUTHORIZATION_FAILED"):
+            sub.receive(1, 1.0)
 
 
 def test_an_extend_whose_lease_ends_during_its_fence_raises(url, names) -> None:
