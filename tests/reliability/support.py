@@ -680,8 +680,21 @@ def collect_dead(broker: mqabstract.Broker, group: str, ledger: Ledger,
             dl.reason.startswith(EXHAUSTED_PREFIXES) or dl.reason in exhausted_too)
 
 
+#: Ports this process reserved (``spare_port``): their lock files stay open (and locked)
+#: until the process ends.
+_RESERVED: list[IO[bytes]] = []
+
+
 def spare_port(start: int, also: tuple[int, ...] = ()) -> int:
-    """First port from ``start`` that is free on loopback (with ``port + a`` for each a)."""
+    """First port from ``start`` that is free on loopback (with ``port + a`` for each a)
+    and that no other live process reserved through this function: a lock file per port,
+    held until this process ends. Two scenario processes starting private brokers at once
+    (``scripts/faults`` lanes) both found a port free before either bound it."""
+    import fcntl
+
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / "mqabstract-ports"
+    folder.mkdir(parents=True, exist_ok=True)
+
     def free(port: int) -> bool:
         with socket.socket() as s:
             try:
@@ -690,9 +703,25 @@ def spare_port(start: int, also: tuple[int, ...] = ()) -> int:
                 return False
         return True
 
+    def reserve(port: int) -> IO[bytes] | None:
+        fh = open(folder / f"{port}.lock", "ab")  # noqa: SIM115 (held for the process)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            return None
+        return fh
+
     for port in range(start, start + 100):
-        if free(port) and all(free(port + a) for a in also):
+        if not (free(port) and all(free(port + a) for a in also)):
+            continue
+        held = [reserve(p) for p in (port, *(port + a for a in also))]
+        if all(h is not None for h in held):
+            _RESERVED.extend(h for h in held if h is not None)
             return port
+        for h in held:
+            if h is not None:
+                h.close()  # (closing the file releases its lock)
     raise RuntimeError(f"no free loopback port near {start}")
 
 
