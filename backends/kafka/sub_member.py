@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
@@ -32,6 +33,9 @@ __all__ = ["GroupMember"]
 #: Longest a revocation waits for re-publishes in flight (it may run on the client's I/O
 #: thread, so heartbeats wait as long).
 _MOVING_WAIT = 3.0
+#: A member without an assignment for this many rebalance timeouts (plus 10 s) while the
+#: cluster answers is replaced (``_watch_membership``).
+STUCK_REBALANCES = 2.0
 
 
 class _Unknown(Timeout):
@@ -60,8 +64,10 @@ class GroupMember(SubscriptionState):
     def _run_group(self) -> None:
         retry_at = 0.0  # when to position a new assignment again after a failure
         polls, takes = Patience(), Patience()
+        unassigned_since = time.monotonic()
         try:
             while not self.group_stopping:
+                unassigned_since = self._watch_membership(unassigned_since)
                 try:
                     recs = self.group.poll(0.2, 1000)
                     polls.ok()
@@ -103,6 +109,42 @@ class GroupMember(SubscriptionState):
             with self.cv:
                 self.cv.notify_all()
             self.assigned_once.set()
+
+    def _watch_membership(self, since: float) -> float:
+        """(Group thread.) Replace a member that has had no assignment for
+        ``STUCK_REBALANCES`` rebalance timeouts (+10 s) while the cluster answers; returns
+        when the current stretch without one began (now while assigned).
+
+        A rebalance ends within the rebalance timeout (``max_poll_interval_ms``) of its
+        members, or drops those that do not rejoin. After a whole-cluster restart
+        librdkafka's member once never rejoined: revoked, then no assignment for minutes
+        while the brokers answered everyone else, so the group stopped in silence (session
+        22's sitting; the same client's data consumer was once cut off the same way, see
+        ``_check_stalled``). A new member joins as any new consumer does and takes the
+        partitions over from their checkpoints."""
+        now = time.monotonic()
+        if self.group.stable():
+            return now
+        opts = self.d.opts
+        limit = float(STUCK_REBALANCES * max(opts["max_poll_interval_ms"],
+                                             opts["session_timeout_ms"]) / 1000 + 10.0)
+        if now - since < limit:
+            return since
+        try:
+            self.d.cluster_size()  # (the cluster answers: else wait for it, as before)
+            fresh = self.d.client.member(self.d.settings, self.spec.name, self.retry,
+                                         self.revoked, self.assigned)
+        except Exception as exc:
+            log.info("kafka: member of %s without an assignment for %.0f s, not replaced: %s",
+                     self.spec.name, now - since, redact(str(exc))[:300])
+            return now - limit + 5.0  # asked again in 5 s
+        log.warning("kafka: member of %s had no assignment for %.0f s while the cluster "
+                    "answers: replaced by a new member", self.spec.name, now - since)
+        old, self.group = self.group, fresh
+        # Off this thread: a wedged consumer's close may hang.
+        threading.Thread(target=old.close, name=f"mqa-kafka-close-{self.spec.name}",
+                         daemon=True).start()
+        return time.monotonic()
 
     # -- checkpoints (offset commits) -------------------------------------------------------
     def _commit(self, sync: bool) -> None:

@@ -992,3 +992,29 @@ def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
         assert (again.id, again.attempt) == (msg.id, 2)
         again.ack()
         assert not sub.receive(1, 3.0)  # one copy: the nack's, not also an expiry's
+
+
+def test_a_member_left_without_an_assignment_is_replaced(url, names, monkeypatch) -> None:
+    """A group member that gets no assignment for two rebalance timeouts (+10 s) while
+    the cluster answers is replaced by a new one, which takes the partitions over. Here
+    the member is made to stop taking part (unsubscribed: revoked, never assigned again),
+    as librdkafka's member did after a whole-cluster restart in session 22's sitting; the
+    limit is shortened to a few seconds."""
+    from mqabstract.backends.kafka import sub_member
+
+    monkeypatch.setattr(sub_member, "STUCK_REBALANCES", 0.0)  # limit: 10 s
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=30)
+        inner = sub._inner
+        first = _received_one(sub, f"{root}.a", mq)
+        first.ack()
+        stuck = inner.group
+        stuck.c.unsubscribe()  # revoked; no assignment ever again for this member
+        deadline = time.monotonic() + 60
+        while inner.group is stuck and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert inner.group is not stuck, "the member was not replaced"
+        again = _received_one(sub, f"{root}.a", mq)
+        assert again.id != first.id
+        again.ack()
