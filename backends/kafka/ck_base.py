@@ -70,7 +70,7 @@ def _error(err: Any, where: str = "") -> ClientError:
         kind = Kind.TRANSIENT
     else:
         kind = Kind.OTHER
-    return ClientError(kind, text, err.name())
+    return ClientError(kind, text, err.name(), broker=True)
 
 
 def classify(exc: BaseException) -> ClientError:

@@ -58,10 +58,14 @@ class Created(enum.Enum):
 class ClientError(Exception):
     """A client failure, classified. ``native`` names the client's own error type."""
 
-    def __init__(self, kind: Kind, text: str, native: str = "", doubt: bool = False) -> None:
+    def __init__(self, kind: Kind, text: str, native: str = "", doubt: bool = False,
+                 broker: bool = False) -> None:
         super().__init__(text)
         self.kind = kind
         self.native = native
+        #: an error code of the protocol or of the client library (not an exception of
+        #: the client's own code, such as an internal assertion)
+        self.broker = broker
         #: (``Mover.move``) whether the transaction may have committed all the same: its
         #: outcome is not known (the caller reads the committed offsets back).
         self.doubt = doubt

@@ -64,7 +64,10 @@ def transient(exc: BaseException) -> bool:
 
 class Patience:
     """Whether a background thread's call site retries after a failure: a ``transient``
-    one always; a broker error the classifier does not know (``Kind.OTHER``) until such
+    one always; an error code the classifier does not know (``Kind.OTHER`` from the
+    protocol or the client library, ``ClientError.broker``; not an exception of the
+    client's own code, such as an internal assertion, after which its state is not to be
+    trusted) until such
     errors have lasted ``limit`` seconds in a row (``ok`` after each success ends a run).
     A retriable code missing from the classifier's lists must not stop a consumer for
     good (it did twice: ``_DESTROY_BROKER``, ``FENCED_LEADER_EPOCH``), and one that is
@@ -82,8 +85,8 @@ class Patience:
     def retry(self, exc: BaseException) -> bool:
         if transient(exc):
             return True
-        if not (isinstance(exc, ClientError) and exc.kind is Kind.OTHER):
-            return False
+        if not (isinstance(exc, ClientError) and exc.kind is Kind.OTHER and exc.broker):
+            return False  # (an exception of the client's own code stops the thread)
         now = time.monotonic()
         self.since = self.since or now
         return now - self.since < self.limit

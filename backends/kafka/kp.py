@@ -82,7 +82,7 @@ def classify(exc: BaseException) -> ClientError:
         kind = Kind.TRANSIENT
     else:
         kind = Kind.OTHER
-    return ClientError(kind, text, name)
+    return ClientError(kind, text, name, broker=isinstance(exc, KafkaError))
 
 
 def _config(s: Settings, admin: bool = False) -> dict[str, Any]:

@@ -838,9 +838,12 @@ def test_patience_retries_unknown_broker_errors_for_a_while_only() -> None:
     from mqabstract.backends.kafka.errors import Patience
 
     p = Patience(0.05)
-    unknown, fatal = ClientError(Kind.OTHER, "x"), ClientError(Kind.FATAL, "y")
+    unknown = ClientError(Kind.OTHER, "x", broker=True)
+    fatal = ClientError(Kind.FATAL, "y", broker=True)
+    internal = ClientError(Kind.OTHER, "AssertionError: in the client's own code")
     assert p.retry(ClientError(Kind.TRANSIENT, "z")) and p.retry(unknown)
     assert not p.retry(fatal) and not p.retry(ValueError("a bug"))
+    assert not p.retry(internal)
     time.sleep(0.06)
     assert not p.retry(unknown)  # a run of unknown errors as long as the limit: stop
     p.ok()
@@ -859,7 +862,8 @@ def test_a_data_consumer_rides_out_unknown_broker_errors(url, names, monkeypatch
         def flaky() -> None:
             if len(failures) < 3:
                 failures.append(1)
-                raise ClientError(Kind.OTHER, "SOME_NEW_CODE: not in the classifier's lists")
+                raise ClientError(Kind.OTHER, "SOME_NEW_CODE: not in the classifier's lists",
+                                  broker=True)
             refresh()
 
         inner._refresh_data = flaky
@@ -879,7 +883,8 @@ def test_a_data_consumer_stops_after_unknown_errors_outlast_the_patience(
         inner = sub._inner
 
         def broken() -> None:
-            raise ClientError(Kind.OTHER, "TOPIC_AUTHORIZATION_FAILED: not allowed")
+            raise ClientError(Kind.OTHER, "TOPIC_AUTHORIZATION_FAILED: not allowed",
+                              broker=True)
 
         inner._refresh_data = broken
         inner.data_thread.join(30)
