@@ -112,12 +112,10 @@ CI_SKIPS = ("declares", "UNSUPPORTED", "is process-local")
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and not hasattr(report, "wasxfail") and _in_ci():
-        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
-        if not any(word in reason for word in CI_SKIPS):
-            report.outcome = "failed"
-            report.longrepr = (f"CI=true: skipped for a reason CI does not allow "
-                               f"(conftest.CI_SKIPS): {reason}")
+    if not hasattr(report, "wasxfail") and (reason := _disallowed_skip(report)) is not None:
+        report.outcome = "failed"
+        report.longrepr = (f"CI=true: skipped for a reason CI does not allow "
+                           f"(conftest.CI_SKIPS): {reason}")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -126,12 +124,18 @@ def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-
     ``importorskip``), which no test report carries."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _in_ci():
-        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
-        if not any(word in reason for word in CI_SKIPS):
-            report.outcome = "failed"
-            report.longrepr = (f"CI=true: {collector.nodeid} skipped for a reason CI does "
-                               f"not allow (conftest.CI_SKIPS): {reason}")
+    if (reason := _disallowed_skip(report)) is not None:
+        report.outcome = "failed"
+        report.longrepr = (f"CI=true: {collector.nodeid} skipped for a reason CI does "
+                           f"not allow (conftest.CI_SKIPS): {reason}")
+
+
+def _disallowed_skip(report: pytest.CollectReport | pytest.TestReport) -> str | None:
+    """The reason of a skip CI does not allow (None: not a skip, allowed, or not CI)."""
+    if not report.skipped or not _in_ci():
+        return None
+    reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+    return None if any(word in reason for word in CI_SKIPS) else reason
 
 
 def _in_ci() -> bool:

@@ -900,12 +900,7 @@ def test_an_extend_whose_lease_ends_during_its_fence_raises(url, names) -> None:
     group, root = names
     with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client=confluent") as mq:
         sub = mq.subscribe(group, f"{root}.#", lease=30)
-        mq.publish(f"{root}.a", b"x")
-        got = []
-        deadline = time.monotonic() + 30
-        while not got and time.monotonic() < deadline:
-            got = sub.receive(1, 1.0)
-        [msg] = got
+        msg = _received_one(sub, f"{root}.a", mq)
         inner = sub._inner
         fence_for = inner._fence_for
 
@@ -922,14 +917,19 @@ def test_an_extend_whose_lease_ends_during_its_fence_raises(url, names) -> None:
             msg.extend(60)
 
 
-def _received_one(sub: Any, topic: str, mq: Any) -> Any:
-    mq.publish(topic, b"x")
+def _next(sub: Any) -> Any:
+    """The one message the subscription gets within 30 s."""
     got: list[Any] = []
     deadline = time.monotonic() + 30
     while not got and time.monotonic() < deadline:
         got = sub.receive(1, 1.0)
     [msg] = got
     return msg
+
+
+def _received_one(sub: Any, topic: str, mq: Any) -> Any:
+    mq.publish(topic, b"x")
+    return _next(sub)
 
 
 def test_an_extend_whose_commit_lands_after_the_deadline_takes_effect(url, names) -> None:
@@ -989,11 +989,7 @@ def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
         time.sleep(max(0.0, msg.lease_remaining - 0.5))
         msg.nack()  # raised Timeout before the change
         inner._schedule = schedule
-        got: list[Any] = []
-        deadline = time.monotonic() + 30
-        while not got and time.monotonic() < deadline:
-            got = sub.receive(1, 1.0)
-        [again] = got
+        again = _next(sub)
         assert (again.id, again.attempt) == (msg.id, 2)
         again.ack()
         assert not sub.receive(1, 3.0)  # one copy: the nack's, not also an expiry's
