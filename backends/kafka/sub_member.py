@@ -180,11 +180,11 @@ class GroupMember(SubscriptionState):
         return offsets, foreign
 
     def _schedule(self, force: Collection[TP], patience: float = -1
-                  ) -> tuple[Pending | None, int | None, set[TP]]:
+                  ) -> tuple[Pending | None, int | None, set[TP], set[TP]]:
         """Send the changed checkpoints (plus those of ``force``) as one commit. Returns
         its Pending (None when there was nothing to send, or ``commit_lock`` was not free
-        within ``patience``), the generation it was built in and the partitions left out
-        as not ours in that generation (``_checkpoints``).
+        within ``patience``), the generation it was built in, the partitions left out
+        as not ours in that generation (``_checkpoints``) and those the commit carries.
 
         Built and sent under ``commit_lock``: commits go out in the order their contents
         were read, so a later commit never carries an older mark. A client may commit
@@ -194,16 +194,16 @@ class GroupMember(SubscriptionState):
         changed (``Member.commit``'s ``expect``).
         """
         if not self.commit_lock.acquire(timeout=patience):
-            return None, None, set()
+            return None, None, set(), set()
         try:
             membership, gen = self.group.group_meta()
             offsets, foreign = self._checkpoints(force, gen)
             if not offsets:
-                return None, gen, foreign
+                return None, gen, foreign, set()
             sent: Pending = self.group.commit(
                 offsets, lambda err: self._committed(offsets, err), expect=membership)
             self.last_sent = sent
-            return sent, gen, foreign
+            return sent, gen, foreign, set(offsets)
         finally:
             self.commit_lock.release()
 
@@ -225,13 +225,20 @@ class GroupMember(SubscriptionState):
         handed out or re-published: a consumer that was frozen past its session, or lost
         the partitions in a rebalance it has not seen yet, gets ``Kind.FENCED`` here.
 
+        A partition of ``force`` that the commit does not carry (revoked meanwhile, or
+        never read here) is not proven ours: ``LeaseExpired``. A revocation raises the
+        epoch before it sets its partitions aside, so a receive that picked in between
+        and fenced after it saw its own epoch unchanged, and an empty commit proved
+        nothing: that receive handed out records the partition's next owner delivered
+        again with the same attempt (the chaos run's ``[1, 1]``, session 23).
+
         Raises ``LeaseExpired`` when membership is lost or a rebalance is under way,
         ``Timeout`` / ``ConnectionFailed`` when the coordinator does not answer in time.
         """
         if not self.group.stable():
             raise LeaseExpired(f"group {self.spec.name!r} is rebalancing")
         try:
-            sent, gen, foreign = self._schedule(force)
+            sent, gen, foreign, carried = self._schedule(force)
         except ClientError as exc:
             if exc.kind is Kind.FENCED:
                 raise LeaseExpired(f"consumer of {self.spec.name!r}: {exc}") from exc
@@ -241,6 +248,10 @@ class GroupMember(SubscriptionState):
             # revoking them here: a commit in this one proves nothing for them.
             raise LeaseExpired(f"partitions {sorted(foreign & set(force))} of "
                                f"{self.spec.name!r} are not ours in generation {gen}")
+        missing = set(force) - carried
+        if missing:
+            raise LeaseExpired(f"partitions {sorted(missing)} of {self.spec.name!r} were "
+                               "revoked (or not read here): a commit proves nothing for them")
         if sent is None:
             return
         err = sent.wait(max(0.05, budget))

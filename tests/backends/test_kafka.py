@@ -980,10 +980,10 @@ def test_a_nack_whose_commit_is_slow_takes_effect(url, names) -> None:
                 return self.sent.wait(timeout - 0.8)
 
         def slow(force: Any, patience: float = -1) -> Any:
-            sent, gen, foreign = schedule(force, patience)
+            sent, *rest = schedule(force, patience)
             if sent is not None and threading.current_thread() is threading.main_thread():
                 sent = Slow(sent)
-            return sent, gen, foreign
+            return (sent, *rest)
 
         inner._schedule = slow
         time.sleep(max(0.0, msg.lease_remaining - 0.5))

@@ -247,3 +247,31 @@ def test_a_partition_held_into_a_later_generation_is_not_handed_out() -> None:
         assert coordinator.offsets[P] == before  # nothing of P committed in generation 7
     finally:
         _close(member)
+
+
+def test_a_receive_that_picked_during_a_revocation_hands_nothing_out() -> None:
+    """The chaos run's ``[1, 1]`` (session 23): a revocation raises the epoch, then sends
+    its checkpoints, then sets the partitions aside. A receive that picked in between saw
+    the raised epoch as its own, and fenced after the partition was set aside: the commit
+    carried nothing for it and "succeeded", so the records were handed out while the
+    next owner delivered them again with the same attempt."""
+    _, _, member, sub = _generation_5()
+    try:
+        _assign(sub, member)
+        sub._ingest(_records(0, 10))
+        with sub.cv:
+            sub.epoch += 1  # the revocation has begun (its first step)
+        real_fence = sub._fence
+
+        def fence_after_the_revocation(budget: float, force: Any = ()) -> None:
+            with sub.cv:  # the revocation's last step lands between pick and fence
+                sub._suspend([P])
+            real_fence(budget, force)
+
+        sub._fence = fence_after_the_revocation  # type: ignore[method-assign]
+        handed = sub.receive(5, 0.3)
+        assert handed == [], [(d.id, d.attempt) for d in handed]
+        # Set aside with the partition: back if it is ours again, else its owner's.
+        assert sorted(r.offset for r in sub.suspended[P][1]) == list(range(10))
+    finally:
+        _close(member)
