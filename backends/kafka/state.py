@@ -5,18 +5,24 @@ Pure data and logic, no client: the subscription holds its lock around every use
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Collection
 from typing import NamedTuple
 
 from .client import TP
 
-__all__ = ["CKPT_RANGES", "Checkpoint", "Part", "Rec", "ranges"]
+__all__ = ["CKPT_RANGES", "LEASE_STEPS", "Checkpoint", "Part", "Rec", "ranges"]
 
-_CKPT = "mq1"
+_CKPT = "mq1"  # without lease steps (written before they existed, or none to list)
+_CKPT_STEPS = "mq2"  # with them
 #: Characters of done-offset ranges in a checkpoint (Apache Kafka keeps commit metadata up
 #: to offset.metadata.max.bytes, 4096 by default).
 CKPT_RANGES = 3000
+#: Most lease steps a partition keeps (``Part.lease``): beyond it, the two neighbouring
+#: steps whose deadlines are closest become one (the earlier records are held as long as
+#: the later ones: at most the gap between two receives, not the partition's newest lease).
+LEASE_STEPS = 16
 
 
 class Checkpoint(NamedTuple):
@@ -25,6 +31,13 @@ class Checkpoint(NamedTuple):
     ``mark``: records below it were handed to an application (by this owner or earlier
     ones). ``bump``: attempts the owner adds to records below the mark it inherited.
     ``deadline``: epoch seconds; no lease on a record below the mark runs past it.
+    ``leases``: the same per range of offsets, as steps ``(end, deadline)`` in offset
+    order: no lease on a record from the previous step's end (the first: any) up to
+    ``end`` (exclusive) runs past ``deadline``. A new owner holds an inherited record
+    until its own step's deadline, not the partition's newest lease: under a rebalance
+    every second or so, each new owner inherited a later newest lease, and a killed
+    holder's records waited for the churn to end (chaos[kafka-python], session 23).
+    Empty in checkpoints written without them: ``deadline`` covers every record.
     ``done``: settled offsets above the committed one (acked, re-published, dead-lettered),
     as ranges; a subset when it does not fit (those are delivered again, with the bump).
     ``moving``: offsets whose copy with one attempt more may have been written to the
@@ -39,11 +52,12 @@ class Checkpoint(NamedTuple):
     deadline: float = 0.0
     done: tuple[tuple[int, int], ...] = ()
     moving: tuple[tuple[int, int], ...] = ()
+    leases: tuple[tuple[int, float], ...] = ()
 
     def fit(self, limit: int = CKPT_RANGES) -> Checkpoint:
         """This checkpoint with as many ``done`` ranges as fit in ``limit`` characters
-        (the first ones); ``moving`` offsets are never cut."""
-        size = len(_text(self.moving))
+        (the first ones); ``moving`` offsets and lease steps are never cut."""
+        size = len(_text(self.moving)) + len(_steps_text(self.leases))
         kept = 0
         for a, b in self.done:
             size += len(str(a) if a == b else f"{a}-{b}") + 1
@@ -54,18 +68,22 @@ class Checkpoint(NamedTuple):
 
     def encode(self, limit: int = CKPT_RANGES) -> str:
         ckpt = self.fit(limit)
-        head = (f"{_CKPT} {ckpt.mark} {ckpt.bump} {int(ckpt.deadline * 1000)} "
-                f"{_text(ckpt.done)}")
-        return f"{head} {_text(ckpt.moving)}" if ckpt.moving else head
+        tail = f"{ckpt.mark} {ckpt.bump} {int(ckpt.deadline * 1000)} {_text(ckpt.done)}"
+        if ckpt.leases:
+            return (f"{_CKPT_STEPS} {tail} {_text(ckpt.moving)} "
+                    f"{_steps_text(ckpt.leases)}")
+        return f"{_CKPT} {tail} {_text(ckpt.moving)}" if ckpt.moving else f"{_CKPT} {tail}"
 
     @classmethod
     def decode(cls, meta: str | None) -> Checkpoint:
         words = (meta or "").split(" ")
-        if len(words) not in (5, 6) or words[0] != _CKPT:
+        if not ((words[0] == _CKPT and len(words) in (5, 6))
+                or (words[0] == _CKPT_STEPS and len(words) == 7)):
             return cls()  # none, or written by a plain client
         try:
             return cls(int(words[1]), int(words[2]), int(words[3]) / 1000,
-                       _parse(words[4]), _parse(words[5]) if len(words) == 6 else ())
+                       _parse(words[4]), _parse(words[5]) if len(words) > 5 else (),
+                       _parse_steps(words[6]) if len(words) == 7 else ())
         except ValueError:
             return cls()
 
@@ -79,6 +97,18 @@ def _parse(text: str) -> tuple[tuple[int, int], ...]:
     for item in filter(None, text.split(",")):
         a, _, b = item.partition("-")
         out.append((int(a), int(b or a)))
+    return tuple(out)
+
+
+def _steps_text(steps: tuple[tuple[int, float], ...]) -> str:
+    return ",".join(f"{end}:{int(deadline * 1000)}" for end, deadline in steps)
+
+
+def _parse_steps(text: str) -> tuple[tuple[int, float], ...]:
+    out = []
+    for item in filter(None, text.split(",")):
+        end, _, ms = item.partition(":")
+        out.append((int(end), int(ms) / 1000))
     return tuple(out)
 
 
@@ -96,9 +126,9 @@ def ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
 class Part:
     """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
 
-    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "gen", "hold",
+    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "ends", "gen", "hold",
                  "inherited", "mark", "meta", "moved", "moving", "next_fetch", "order",
-                 "revoked_at", "sent_meta")
+                 "revoked_at", "sent_meta", "untils")
 
     def __init__(self, found: tuple[int, str] | None) -> None:
         committed = found[0] if found is not None else None
@@ -113,6 +143,9 @@ class Part:
         self.next_fetch: int | None = None
         self.mark = max(ckpt.mark, committed or 0)
         self.deadline = ckpt.deadline
+        # Lease steps (``Checkpoint.leases``): ``ends[i]`` and ``untils[i]``.
+        self.ends: list[int] = []
+        self.untils: list[float] = []
         self.revoked_at: tuple[int | None, str | None] | None = None
         # The group generation whose assignment gave us this partition (None: unknown).
         # Only a commit made in that generation proves we own it (see ``checkpoint``'s
@@ -128,7 +161,11 @@ class Part:
         if committed is not None and ckpt.mark > committed:
             self.inherited = ckpt.mark
             self.bump = ckpt.bump + 1
-            self.hold = ckpt.deadline
+            self.hold = ckpt.deadline  # (every inherited record, where no steps say less)
+            for end, until in ckpt.leases:
+                if end > committed:
+                    self.ends.append(end)
+                    self.untils.append(until)
             for a, b in ckpt.done:
                 if b >= committed:
                     self.done.update(range(max(a, committed), b + 1))
@@ -143,6 +180,67 @@ class Part:
     def extra_attempts(self, offset: int) -> int:
         """Attempts to add to an inherited record below the mark (see ``__init__``)."""
         return self.bump + (offset in self.moved)
+
+    def hold_for(self, offset: int) -> float:
+        """Until when an inherited record below the mark waits: the last lease an earlier
+        owner gave on its step (``Checkpoint.leases``), or on any record where the
+        checkpoint listed no steps."""
+        if not self.ends:
+            return self.hold
+        i = bisect_right(self.ends, offset)
+        return self.untils[i] if i < len(self.ends) else 0.0
+
+    def lease_of(self, offset: int) -> float:
+        """The deadline the checkpoint records for ``offset``'s step (0: none)."""
+        i = bisect_right(self.ends, offset)
+        return self.untils[i] if i < len(self.ends) else 0.0
+
+    def lease(self, offset: int, until: float) -> None:
+        """``offset`` is handed out (or its lease extended) until ``until``: raise the mark
+        and the deadline of its step (split off, so that its neighbours keep theirs)."""
+        if offset >= self.mark:
+            self.mark = offset + 1
+        if until > self.deadline:
+            self.deadline = until
+        ends, untils = self.ends, self.untils
+        if not ends or offset >= ends[-1]:
+            last = ends[-1] if ends else None
+            if last is not None and offset == last and untils[-1] == until:
+                ends[-1] = offset + 1  # the next record of the same receive
+                return
+            if last is not None and offset > last:
+                ends.append(offset)  # records between were handed off, not leased
+                untils.append(0.0)
+            ends.append(offset + 1)
+            untils.append(until)
+        else:
+            i = bisect_right(ends, offset)
+            if untils[i] >= until:
+                return
+            low = ends[i - 1] if i else None
+            keep = untils[i]
+            new_ends, new_untils = [], []
+            if low is None or offset > low:
+                new_ends.append(offset)
+                new_untils.append(keep)
+            new_ends.append(offset + 1)
+            new_untils.append(until)
+            if offset + 1 < ends[i]:
+                new_ends.append(ends[i])
+                new_untils.append(keep)
+            ends[i:i + 1] = new_ends
+            untils[i:i + 1] = new_untils
+        while len(ends) > LEASE_STEPS:
+            # The two neighbours whose deadlines are closest become one, with the later.
+            j = min(range(len(ends) - 1), key=lambda k: abs(untils[k + 1] - untils[k]))
+            untils[j + 1] = max(untils[j], untils[j + 1])
+            del ends[j], untils[j]
+
+    def release(self) -> None:
+        """Give every lease up (closing): a new owner need not wait for any."""
+        self.deadline = 0.0
+        self.ends.clear()
+        self.untils.clear()
 
     def fetched(self, offset: int) -> None:
         self.order.append(offset)
@@ -172,8 +270,15 @@ class Part:
             moving = {o for o in moving if o >= point}
             if not settle:
                 self.moving = moving
+        first = 0  # steps wholly below the point: their records are all settled
+        if point is not None:
+            first = bisect_right(self.ends, point)  # (ends are sorted)
+            if first and not settle:
+                del self.ends[:first], self.untils[:first]
+                first = 0
         ckpt = Checkpoint(self.mark, self.bump, self.deadline, ranges(done),
-                          ranges(moving)).fit(limit)
+                          ranges(moving), tuple(zip(self.ends[first:], self.untils[first:],
+                                                    strict=True))).fit(limit)
         if ckpt.moving:
             # A moved record the checkpoint lists as done is skipped by a new owner; one
             # whose done entry did not fit is delivered again, one attempt above its copy.

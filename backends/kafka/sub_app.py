@@ -76,10 +76,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
                         token = next(self.tokens)
                         rec.deadline = lease_until
                         self.leased[token] = rec
-                        if rec.offset + 1 > part.mark:
-                            part.mark = rec.offset + 1
-                        if lease_until > part.deadline:
-                            part.deadline = lease_until
+                        part.lease(rec.offset, lease_until)
                         picked.append((token, rec))
                     if picked and self.paused and self._drained():
                         self.cv.notify_all()  # the paused data thread fetches again
@@ -257,13 +254,13 @@ class ApplicationSide(GroupMember, DriverSubscription):
             # (suspended by a revocation too: if the partition comes back, the fence
             # commits this deadline, else it fails)
             part = self._part(rec.tp)
-            if part is not None and part.deadline >= until:
+            if part is not None and part.lease_of(rec.offset) >= until:
                 rec.deadline = until
                 return
             if part is not None:
                 # Not taken back if the fence fails: the commit may have landed, and an
                 # extend that found this deadline recorded returned on it (above).
-                part.deadline = until
+                part.lease(rec.offset, until)
             rec.fencing += 1
         fenced = False
         try:
@@ -313,7 +310,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
             # Closing gives unsettled messages back: the next owner of our partitions need
             # not wait for their leases (their attempt still counts, through the mark).
             for part in self.parts.values():
-                part.deadline = 0.0
+                part.release()
         # The group thread last: its final commit covers what the data thread settled.
         self.group_stopping = True
         if self.group_thread is not me:

@@ -533,9 +533,10 @@ class DataReader(GroupMember):
                     if offset < inherited:
                         # Handed to an application by owners that died, froze or lost the
                         # partition before settling it: one attempt more than any of them
-                        # gave, and not before the last of their leases ends.
+                        # gave, and not before the last lease on its step ends.
                         rec.n += part.extra_attempts(offset)
-                        rec.due = max(rec.due, min(part.hold, now + self.d.capabilities.max_lease))
+                        hold = min(part.hold_for(offset), now + self.d.capabilities.max_lease)
+                        rec.due = max(rec.due, hold)
                     if rec.due > now:
                         heapq.heappush(self.held, (rec.due, next(self.seq), rec))
                     else:

@@ -256,6 +256,81 @@ def test_a_copy_possibly_written_by_a_frozen_holder_never_shares_its_attempt() -
     assert _Checkpoint.decode(meta3).moving == () and 12 in _Part((10, meta3)).done
 
 
+def _leased(part: _Part, offsets: range, until: float) -> None:
+    """One receive: ``offsets`` handed out with one lease."""
+    for offset in offsets:
+        part.lease(offset, until)
+
+
+def test_an_inherited_record_waits_for_its_own_lease_not_the_newest() -> None:
+    """Session 23's chaos runs: a killed holder's records waited for the partition's newest
+    lease, which every owner in a churning group pushed later (attempt 1, then 5, 8 or 9
+    more than 9 s after its lease). Each record now waits for the last lease on its step."""
+    t = 1700000000.0
+    first = _Part((10, ""))
+    for offset in range(10, 40):
+        first.fetched(offset)
+    _leased(first, range(10, 15), t + 5)  # the killed holder's receive
+    _leased(first, range(15, 20), t + 8)
+    _leased(first, range(20, 25), t + 12)
+    _, meta = first.checkpoint()
+    assert _Checkpoint.decode(meta).leases == ((15, t + 5), (20, t + 8), (25, t + 12))
+    second = _Part((10, meta))
+    assert [second.hold_for(o) for o in (12, 17, 22)] == [t + 5, t + 8, t + 12]
+    # The second owner hands out new records and one inherited record (12) again; its
+    # successor still holds 10..14 only until t + 5, but 12 until its new lease.
+    for offset in range(10, 40):
+        second.fetched(offset)
+    _leased(second, range(25, 30), t + 20)
+    second.lease(12, t + 30)
+    _, meta2 = second.checkpoint()
+    third = _Part((10, meta2))
+    assert [third.hold_for(o) for o in (10, 11, 12, 13, 14, 17, 27)] == [
+        t + 5, t + 5, t + 30, t + 5, t + 5, t + 8, t + 20]
+    assert third.bump == 2 and third.inherited == 30
+
+
+def test_lease_steps_stay_few_and_never_shorten_a_lease() -> None:
+    """Hundreds of receives keep at most ``LEASE_STEPS`` steps: neighbours with the closest
+    deadlines merge (with the later one), so an old lone lease keeps its own deadline,
+    and no record's recorded lease is ever below the one it was given."""
+    from mqabstract.backends.kafka.state import LEASE_STEPS
+
+    t = 1700000000.0
+    part = _Part((0, ""))
+    given: dict[int, float] = {}
+    for n in range(300):
+        until = t + 5 if n == 0 else t + 100 + n * 0.05
+        for offset in range(n * 3, n * 3 + 3):
+            part.fetched(offset)
+            part.lease(offset, until)
+            given[offset] = until
+    part.lease(100, t + 500)  # an extend in the middle
+    given[100] = t + 500
+    assert len(part.ends) <= LEASE_STEPS
+    assert all(part.lease_of(o) >= until for o, until in given.items())
+    assert part.lease_of(0) == t + 5  # the killed holder's lone lease is kept as it was
+    _, meta = part.checkpoint()
+    assert len(meta) < 4096 and _Checkpoint.decode(meta).leases
+
+
+def test_settled_steps_leave_the_checkpoint_and_closing_gives_leases_up() -> None:
+    t = 1700000000.0
+    part = _Part((0, ""))
+    for offset in range(0, 20):
+        part.fetched(offset)
+    _leased(part, range(0, 10), t + 5)
+    _leased(part, range(10, 20), t + 9)
+    part.done.update(range(0, 10))
+    point, meta = part.checkpoint()
+    assert point == 10 and _Checkpoint.decode(meta).leases == ((20, t + 9),)
+    part.release()
+    _, meta = part.checkpoint()
+    ckpt = _Checkpoint.decode(meta)
+    assert (ckpt.deadline, ckpt.leases) == (0.0, ())
+    assert _Part((10, meta)).hold_for(15) == 0.0  # the next owner delivers at once
+
+
 def test_moving_offsets_survive_a_full_checkpoint() -> None:
     many = _Checkpoint(10**9, 0, 0.0, tuple((i * 3, i * 3 + 1) for i in range(5000)),
                        ((7, 9),))
