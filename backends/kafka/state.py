@@ -10,6 +10,8 @@ from collections import deque
 from collections.abc import Collection
 from typing import NamedTuple
 
+from mqabstract.errors import Unsupported
+
 from .client import TP
 
 __all__ = ["CKPT_RANGES", "LEASE_STEPS", "Checkpoint", "Part", "Rec", "ranges"]
@@ -76,7 +78,15 @@ class Checkpoint(NamedTuple):
 
     @classmethod
     def decode(cls, meta: str | None) -> Checkpoint:
+        """The checkpoint in commit metadata; none for metadata of a plain client.
+        ``Unsupported`` for a format of a later version: read as none, its records would
+        be delivered again with attempts already given (a group must not mix versions
+        that write different formats; one that reads this one fails instead)."""
         words = (meta or "").split(" ")
+        if (words[0] not in (_CKPT, _CKPT_STEPS) and words[0][:2] == "mq"
+                and words[0][2:].isdigit()):
+            raise Unsupported(f"Kafka partition checkpoint {words[0]!r} was written by a "
+                              "later version of mqabstract: upgrade this consumer")
         if not ((words[0] == _CKPT and len(words) in (5, 6))
                 or (words[0] == _CKPT_STEPS and len(words) == 7)):
             return cls()  # none, or written by a plain client

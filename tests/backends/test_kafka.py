@@ -171,8 +171,13 @@ def test_checkpoint_round_trip() -> None:
     """The partition checkpoint travels as commit metadata; anything else reads as none."""
     ckpt = _Checkpoint(120, 2, 1700000000.5, ((100, 104), (110, 110)))
     assert _Checkpoint.decode(ckpt.encode()) == ckpt
-    for foreign in (None, "", "written by a plain client", "mq1 x 0 0 "):
+    for foreign in (None, "", "written by a plain client", "mq1 x 0 0 ", "mqueue 1 2"):
         assert _Checkpoint.decode(foreign) == _Checkpoint()
+    with pytest.raises(mqabstract.Unsupported, match="later version"):
+        _Checkpoint.decode("mq3 120 2 1700000000500 100-104")  # not read as none
+    steps = ckpt._replace(leases=((105, 1700000000.5), (121, 1700000003.25)))
+    assert _Checkpoint.decode(steps.encode()) == steps
+    assert steps.encode().startswith("mq2 ") and ckpt.encode().startswith("mq1 ")
     many = _Checkpoint(10**9, 0, 0.0, tuple((i * 3, i * 3 + 1) for i in range(5000)))
     text = many.encode()
     assert len(text) < 4096  # Apache Kafka's default offset.metadata.max.bytes
