@@ -62,10 +62,15 @@ from collections.abc import Sequence
 import mqabstract
 from tests.reliability.support import body_for, digest
 
+_trace = None  # the log's "worker" logger when MQ_WORKER_LOG_DIR is set
+
 
 def out(*words: object) -> None:
-    sys.stdout.write(" ".join(map(str, words)) + "\n")
+    line = " ".join(map(str, words))
+    sys.stdout.write(line + "\n")
     sys.stdout.flush()
+    if _trace is not None:  # the same line in the log, among the library's records
+        _trace.info("OUT %s", line)
 
 
 def now() -> str:
@@ -94,13 +99,19 @@ class LateDeliveries(mqabstract.Middleware):
                     out("LATE", msg.id, msg.attempt, now())
 
 
-if os.environ.get("MQ_WORKER_LOG_DIR"):  # each worker's DEBUG log in <dir>/<pid>.log
+if os.environ.get("MQ_WORKER_LOG_DIR"):  # each worker's log in <dir>/<pid>.log
+    # The library at DEBUG, the clients at INFO (at DEBUG kafka-python logs every request:
+    # ~10,000 lines a worker in a chaos run; MQ_WORKER_LOG_CLIENTS=debug for those too).
+    # Times are epoch seconds; the OUT lines carry the worker's monotonic ones.
     import logging
     logging.basicConfig(filename=os.path.join(os.environ["MQ_WORKER_LOG_DIR"],
                                               f"{os.getpid()}.log"),
-                        level=logging.DEBUG,
+                        level=(logging.DEBUG if os.environ.get("MQ_WORKER_LOG_CLIENTS")
+                               == "debug" else logging.INFO),
                         format="%(created).3f %(threadName)s %(name)s %(message)s")
+    logging.getLogger("mqabstract").setLevel(logging.DEBUG)
     logging.getLogger("pika").setLevel(logging.INFO)
+    _trace = logging.getLogger("worker")
 
 
 def connect(url: str) -> mqabstract.Broker:
