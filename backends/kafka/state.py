@@ -58,7 +58,15 @@ class Checkpoint(NamedTuple):
 
     def fit(self, limit: int = CKPT_RANGES) -> Checkpoint:
         """This checkpoint with as many ``done`` ranges as fit in ``limit`` characters
-        (the first ones); ``moving`` offsets and lease steps are never cut."""
+        (the first ones); ``moving`` offsets are never cut, lease steps become one (the
+        latest deadline for all: never shorter) when they do not fit beside them."""
+        ckpt = self
+        if len(_text(self.moving)) + len(_steps_text(self.leases)) > limit and self.leases:
+            latest = max(self.deadline, *(until for _, until in self.leases))
+            ckpt = self._replace(leases=((self.leases[-1][0], latest),))
+        return ckpt._fit_done(limit)
+
+    def _fit_done(self, limit: int) -> Checkpoint:
         size = len(_text(self.moving)) + len(_steps_text(self.leases))
         kept = 0
         for a, b in self.done:
@@ -136,7 +144,7 @@ def ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
 class Part:
     """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
 
-    __slots__ = ("bump", "committed", "confirmed", "deadline", "done", "ends", "gen", "hold",
+    __slots__ = ("bump", "committed", "confirmed", "done", "ends", "gen", "held", "hold",
                  "inherited", "mark", "meta", "moved", "moving", "next_fetch", "order",
                  "revoked_at", "sent_meta", "untils")
 
@@ -152,10 +160,12 @@ class Part:
         self.sent_meta = self.meta  # as confirmed
         self.next_fetch: int | None = None
         self.mark = max(ckpt.mark, committed or 0)
-        self.deadline = ckpt.deadline
-        # Lease steps (``Checkpoint.leases``): ``ends[i]`` and ``untils[i]``.
+        # Lease steps (``Checkpoint.leases``): ``ends[i]`` and ``untils[i]``, ours and the
+        # inherited ones; ``held``: the inherited ones as they came (``hold_for``, and what
+        # ``release`` keeps: leases of earlier owners are not ours to give up).
         self.ends: list[int] = []
         self.untils: list[float] = []
+        self.held: tuple[tuple[int, float], ...] = ()
         self.revoked_at: tuple[int | None, str | None] | None = None
         # The group generation whose assignment gave us this partition (None: unknown).
         # Only a commit made in that generation proves we own it (see ``checkpoint``'s
@@ -171,11 +181,12 @@ class Part:
         if committed is not None and ckpt.mark > committed:
             self.inherited = ckpt.mark
             self.bump = ckpt.bump + 1
-            self.hold = ckpt.deadline  # (every inherited record, where no steps say less)
-            for end, until in ckpt.leases:
-                if end > committed:
-                    self.ends.append(end)
-                    self.untils.append(until)
+            self.hold = ckpt.deadline  # (the latest of them)
+            # Without steps (a checkpoint of an older version) one step covers them all.
+            self.held = (tuple((end, until) for end, until in ckpt.leases if end > committed)
+                         or ((ckpt.mark, ckpt.deadline),))
+            self.ends = [end for end, _ in self.held]
+            self.untils = [until for _, until in self.held]
             for a, b in ckpt.done:
                 if b >= committed:
                     self.done.update(range(max(a, committed), b + 1))
@@ -193,12 +204,11 @@ class Part:
 
     def hold_for(self, offset: int) -> float:
         """Until when an inherited record below the mark waits: the last lease an earlier
-        owner gave on its step (``Checkpoint.leases``), or on any record where the
-        checkpoint listed no steps."""
-        if not self.ends:
-            return self.hold
-        i = bisect_right(self.ends, offset)
-        return self.untils[i] if i < len(self.ends) else 0.0
+        owner gave on its step (``Checkpoint.leases`` as inherited: not what this owner's
+        settles and leases made of them since)."""
+        held = self.held
+        i = bisect_right([end for end, _ in held], offset)
+        return held[i][1] if i < len(held) else 0.0
 
     def lease_of(self, offset: int) -> float:
         """The deadline the checkpoint records for ``offset``'s step (0: none)."""
@@ -210,8 +220,6 @@ class Part:
         and the deadline of its step (split off, so that its neighbours keep theirs)."""
         if offset >= self.mark:
             self.mark = offset + 1
-        if until > self.deadline:
-            self.deadline = until
         ends, untils = self.ends, self.untils
         if not ends or offset >= ends[-1]:
             last = ends[-1] if ends else None
@@ -247,10 +255,10 @@ class Part:
             del ends[j], untils[j]
 
     def release(self) -> None:
-        """Give every lease up (closing): a new owner need not wait for any."""
-        self.deadline = 0.0
-        self.ends.clear()
-        self.untils.clear()
+        """Give our leases up (closing): a new owner waits only for those of earlier
+        owners that it inherited from us, not for any we gave."""
+        self.ends = [end for end, _ in self.held]
+        self.untils = [until for _, until in self.held]
 
     def fetched(self, offset: int) -> None:
         self.order.append(offset)
@@ -286,9 +294,9 @@ class Part:
             if first and not settle:
                 del self.ends[:first], self.untils[:first]
                 first = 0
-        ckpt = Checkpoint(self.mark, self.bump, self.deadline, ranges(done),
-                          ranges(moving), tuple(zip(self.ends[first:], self.untils[first:],
-                                                    strict=True))).fit(limit)
+        steps = tuple(zip(self.ends[first:], self.untils[first:], strict=True))
+        ckpt = Checkpoint(self.mark, self.bump, max((u for _, u in steps), default=0.0),
+                          ranges(done), ranges(moving), steps).fit(limit)
         if ckpt.moving:
             # A moved record the checkpoint lists as done is skipped by a new owner; one
             # whose done entry did not fit is delivered again, one attempt above its copy.
@@ -301,7 +309,7 @@ class Rec:
     """A fetched record on its way to the application."""
 
     __slots__ = ("body", "deadline", "due", "fencing", "headers", "hops", "id", "key", "n",
-                 "offset", "published_at", "since", "topic", "tp")
+                 "offset", "part", "published_at", "since", "topic", "tp")
 
     body: bytes
     headers: dict[str, str]
@@ -329,3 +337,7 @@ class Rec:
         self.deadline = 0.0
         self.since = 0.0
         self.fencing = 0  # extends whose fence is in flight (the lease is not expired)
+        # The partition state it was fetched into (``SubscriptionState._owned``): a
+        # record goes back to the buffers, or is leased again, only while that is still
+        # the partition's, not after the partition was taken over afresh meanwhile.
+        self.part: Part | None = None

@@ -71,8 +71,8 @@ class ApplicationSide(GroupMember, DriverSubscription):
                     while self.ready and len(picked) < max_messages:
                         rec = self.ready.popleft()
                         part = self.parts.get(rec.tp)
-                        if part is None:
-                            continue
+                        if part is None or part is not rec.part:
+                            continue  # (its partition was taken over afresh: stale)
                         token = next(self.tokens)
                         rec.deadline = lease_until
                         self.leased[token] = rec
@@ -109,9 +109,10 @@ class ApplicationSide(GroupMember, DriverSubscription):
                     back = []
                     for token, rec in picked:
                         self.leased.pop(token, None)
-                        if rec.tp in self.parts:
+                        owned = self._owned(rec)
+                        if owned == "active":
                             back.append(rec)
-                        elif rec.tp in self.suspended:
+                        elif owned == "suspended":
                             self.suspended[rec.tp][1].append(rec)
                     self.ready.extendleft(reversed(back))
                     left = deadline - time.monotonic()
@@ -137,15 +138,21 @@ class ApplicationSide(GroupMember, DriverSubscription):
         end = time.monotonic() + min(max(0.5, rec.deadline - time.time()), request)
         while True:
             with self.lock:
-                owned = rec.tp in self.parts
-                suspended = rec.tp in self.suspended
+                state = self._owned(rec)
                 epoch = self.epoch
-            if not owned and not suspended:
+            if state is None:
                 raise LeaseExpired(f"message {rec.id}: its partition moved to another "
                                    "consumer of the group")
             left = end - time.monotonic()
-            if owned and self.group.stable():  # (kafka-python's lock: not under ours)
-                self._fence(request, force={rec.tp})
+            if state == "active" and self.group.stable():  # (kafka-python's lock: not ours)
+                try:
+                    self._fence(request, force={rec.tp})
+                except LeaseExpired:
+                    with self.lock:
+                        revoked = self._owned(rec) == "suspended"
+                    if not revoked or end - time.monotonic() <= 0:
+                        raise
+                    continue  # revoked during the fence: wait for the assignment
                 if not move:
                     return None
                 meta = self._snapshot()
@@ -175,23 +182,20 @@ class ApplicationSide(GroupMember, DriverSubscription):
 
     def _done(self, rec: Rec) -> None:
         with self.lock:
-            part = self.parts.get(rec.tp)
-            if part is None:
-                part = self.suspended.get(rec.tp, (None, None))[0]
-            if part is not None:
-                part.done.add(rec.offset)
+            if self._owned(rec) is not None:
+                assert rec.part is not None
+                rec.part.done.add(rec.offset)
 
     def ack(self, receipts: Sequence[Any]) -> None:
         stale: list[Any] = []
         with self.lock:
             for token in receipts:
                 rec = self.leased.pop(token, None)
-                if rec is None:
+                if rec is None or self._owned(rec) is None:
                     stale.append(token)  # the lease expired or the partition moved
                     continue
-                part = self.parts.get(rec.tp) or self.suspended.get(rec.tp, (None, None))[0]
-                if part is not None:
-                    part.done.add(rec.offset)
+                assert rec.part is not None
+                rec.part.done.add(rec.offset)
         if stale:
             raise self._stale(*stale)
 
@@ -203,7 +207,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
         skip a number, never repeat."""
         with self.cv:
             rec.n += 1
-            if rec.tp in self.parts or rec.tp in self.suspended:
+            if self._owned(rec) is not None:
                 rec.deadline = deadline
                 self.leased[token if token is not None else next(self.tokens)] = rec
 
@@ -212,7 +216,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
         the record stays leased under its receipt; when the lease runs out it is
         re-published (if the partition is still ours) or left to the new owner."""
         with self.cv:
-            if rec.tp in self.parts or rec.tp in self.suspended:
+            if self._owned(rec) is not None:
                 self.leased[token] = rec
 
     def nack(self, receipt: Any, delay: float) -> None:
@@ -253,14 +257,15 @@ class ApplicationSide(GroupMember, DriverSubscription):
                 raise self._stale(receipt)  # the lease expired or the partition moved
             # (suspended by a revocation too: if the partition comes back, the fence
             # commits this deadline, else it fails)
-            part = self._part(rec.tp)
-            if part is not None and part.lease_of(rec.offset) >= until:
+            part = rec.part
+            if part is None or self._owned(rec) is None:
+                raise self._stale(receipt)  # taken over afresh meanwhile
+            if part.lease_of(rec.offset) >= until:
                 rec.deadline = until
                 return
-            if part is not None:
-                # Not taken back if the fence fails: the commit may have landed, and an
-                # extend that found this deadline recorded returned on it (above).
-                part.lease(rec.offset, until)
+            # Not taken back if the fence fails: the commit may have landed, and an
+            # extend that found this deadline recorded returned on it (above).
+            part.lease(rec.offset, until)
             rec.fencing += 1
         fenced = False
         try:

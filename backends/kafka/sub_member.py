@@ -23,7 +23,7 @@ from mqabstract.url import redact
 from .client import TP, ClientError, Fetched, Kind, Outgoing, Pending
 from .errors import Patience, native
 from .names import slot
-from .state import Part, Rec
+from .state import Checkpoint, Part, Rec
 from .sub_state import SubscriptionState
 
 log = logging.getLogger("mqabstract.kafka")
@@ -36,6 +36,14 @@ _MOVING_WAIT = 3.0
 #: A member without an assignment for this many rebalance timeouts (plus 10 s) while the
 #: cluster answers is replaced (``_watch_membership``).
 STUCK_REBALANCES = 2.0
+
+
+def readable(committed: Mapping[TP, tuple[int, str] | None]) -> None:
+    """Decode every checkpoint of an assignment before any state changes: one of a later
+    format raises ``Unsupported`` here, not halfway through ``_adopt``."""
+    for found in committed.values():
+        if found is not None:
+            Checkpoint.decode(found[1])
 
 
 class _Unknown(Timeout):
@@ -355,6 +363,7 @@ class GroupMember(SubscriptionState):
         gen = self._generation()
         try:
             committed = self.d.committed(self.spec.name, assigned) if assigned else {}
+            readable(committed)
         except Exception:
             with self.lock:  # retried by the group thread unless a newer one came
                 if self.new_assignment is None:
@@ -522,7 +531,8 @@ class GroupMember(SubscriptionState):
                 offsets: dict[TP, tuple[int, str]] = {}
                 for tp in {rec.tp for rec, _ in moves}:
                     part = self._part(tp)
-                    if part is None:
+                    if part is None or any(rec.part is not part for rec, _ in moves
+                                           if rec.tp == tp):
                         raise LeaseExpired(f"partition {tp} of {self.spec.name!r} moved")
                     if gen is not None and part.gen is not None and part.gen != gen:
                         raise LeaseExpired(f"partition {tp} of {self.spec.name!r} is not ours "

@@ -22,7 +22,7 @@ from .client import TP, Fetched, Reader
 from .errors import Patience, transient
 from .names import HASHED, INTERNAL, slot, unescape
 from .state import Rec
-from .sub_member import GroupMember, _Unknown
+from .sub_member import GroupMember, _Unknown, readable
 
 log = logging.getLogger("mqabstract.kafka")
 
@@ -96,6 +96,9 @@ class DataReader(GroupMember):
         except Exception as exc:
             log.warning("kafka: consumer of %s stopped: %s", self.spec.name, redact(str(exc)))
             self.error = exc
+            # The member leaves too: its slots go to members that can read them (else
+            # their records waited, undelivered, until the application closed this one).
+            self.group_stopping = True
         finally:
             self.data.close()
             with self.cv:
@@ -158,6 +161,7 @@ class DataReader(GroupMember):
         if new:
             try:
                 committed = self.d.committed(self.spec.name, new)
+                readable(committed)
                 fresh, positions = (self._adopt(new, committed, version=version, gen=gen)
                                     or ([], {}))
                 start = []
@@ -378,16 +382,17 @@ class DataReader(GroupMember):
         with self.cv:
             for token, rec in list(self.leased.items()):
                 if rec.deadline <= now and not rec.fencing:  # (an extend in flight: kept)
-                    if rec.tp in self.parts:
+                    owned = self._owned(rec)
+                    if owned == "active":
                         del self.leased[token]
                         expired.append(rec)
-                    elif rec.tp not in self.suspended:
+                    elif owned is None:
                         del self.leased[token]  # the partition moved: its owner redelivers
                     # else: revoked for a rebalance; decided when the assignment settles
             released = False
             while self.held and self.held[0][0] <= now:
                 _, _, rec = heapq.heappop(self.held)
-                if rec.tp in self.parts:
+                if self._owned(rec) == "active":
                     rec.since = time.monotonic()
                     self.ready.append(rec)
                     released = True
@@ -443,15 +448,16 @@ class DataReader(GroupMember):
         with self.cv:
             retry_at = time.time() + 0.5
             for rec in expired:
-                if rec.tp in self.parts or rec.tp in self.suspended:
+                if self._owned(rec) is not None:
                     rec.deadline = retry_at
                     self.leased[next(self.tokens)] = rec
             mono = time.monotonic()
             for rec in reversed(handoff):
-                if rec.tp in self.parts:
+                owned = self._owned(rec)
+                if owned == "active":
                     rec.since = mono
                     self.ready.appendleft(rec)
-                elif rec.tp in self.suspended:
+                elif owned == "suspended":
                     self.suspended[rec.tp][1].insert(0, rec)
             self.cv.notify_all()
 
@@ -525,6 +531,8 @@ class DataReader(GroupMember):
                 inherited = part.inherited
                 for offset, rec in recs:
                     part.fetched(offset)
+                    if rec is not None:
+                        rec.part = part
                     if offset < inherited and offset in part.done:
                         continue  # settled by an earlier owner (its checkpoint says so)
                     if rec is None:

@@ -128,6 +128,19 @@ class SubscriptionState:
         """(Under ``lock``.) The partition's state, also while suspended by a revocation."""
         return self.parts.get(tp) or self.suspended.get(tp, (None, None))[0]
 
+    def _owned(self, rec: Rec) -> str | None:
+        """(Under ``lock``.) Whether the partition state ``rec`` was fetched into is still
+        the partition's: "active", "suspended" (revoked, may come back), or None — taken
+        over afresh (a new ``Part``: its owner in between may have delivered the record;
+        it is read again from the checkpoint) or gone. A record that was out (picked, in
+        a failed settle or re-publish) while that happened must not come back: it would
+        be handed out beside the new state's own copy, with its old attempt."""
+        if rec.part is not None and self.parts.get(rec.tp) is rec.part:
+            return "active"
+        if rec.part is not None and self.suspended.get(rec.tp, (None, None))[0] is rec.part:
+            return "suspended"
+        return None
+
     def _other_retry_partitions(self) -> list[int]:
         parts = self.d.partitions_for(self.retry)
         mine = {tp.partition for tp in self.parts if tp.topic == self.retry}

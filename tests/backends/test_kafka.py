@@ -212,7 +212,8 @@ def test_checkpoint_of_a_partition() -> None:
     part.mark = 14
     point, meta = part.checkpoint()
     assert point == 12  # the contiguous settled prefix
-    assert _Checkpoint.decode(meta) == _Checkpoint(14, 1, 1700000005.0, ((13, 13),))
+    # (the inherited lease covered offsets below 12, all settled now: no deadline left)
+    assert _Checkpoint.decode(meta) == _Checkpoint(14, 1, 0.0, ((13, 13),))
 
 
 def test_the_checkpoint_a_transaction_commits_changes_nothing() -> None:
@@ -334,6 +335,66 @@ def test_settled_steps_leave_the_checkpoint_and_closing_gives_leases_up() -> Non
     ckpt = _Checkpoint.decode(meta)
     assert (ckpt.deadline, ckpt.leases) == (0.0, ())
     assert _Part((10, meta)).hold_for(15) == 0.0  # the next owner delivers at once
+
+
+def test_closing_gives_up_our_leases_not_the_inherited_ones() -> None:
+    """A owner that closes gives its own leases up, not those of an earlier owner it
+    inherited (a frozen holder's lease may still run: its next owner must wait)."""
+    t = 1700000000.0
+    first = _Part((10, ""))
+    for offset in range(10, 20):
+        first.fetched(offset)
+    _leased(first, range(10, 15), t + 30)  # a long lease of a holder that froze
+    _, meta = first.checkpoint()
+    second = _Part((10, meta))
+    for offset in range(10, 30):
+        second.fetched(offset)
+    _leased(second, range(15, 25), t + 8)
+    second.release()
+    _, meta2 = second.checkpoint()
+    third = _Part((10, meta2))
+    assert [third.hold_for(o) for o in (12, 17, 22)] == [t + 30, 0.0, 0.0]
+
+
+def test_holds_follow_the_inherited_steps_and_older_checkpoints() -> None:
+    """Holds come from the steps as inherited, not from what settles pruned since (the
+    partition's newest deadline came back when the step list emptied); a checkpoint
+    without steps holds every inherited record until its deadline, also after the new
+    owner leased records of its own."""
+    t = 1700000000.0
+    first = _Part((10, ""))
+    for offset in range(10, 20):
+        first.fetched(offset)
+    _leased(first, range(10, 15), t + 5)
+    first.lease(10, t + 60)  # an extend
+    first.done.add(10)
+    first.mark = 20  # 15..19 handed off: no lease
+    _, meta = first.checkpoint()
+    second = _Part((11, meta))
+    for offset in range(11, 20):
+        second.fetched(offset)
+    second.done.update({11, 12, 13, 14})
+    second.checkpoint()  # prunes the settled steps
+    assert second.hold_for(16) == 0.0
+    old = _Part((10, _Checkpoint(20, 0, t + 100).encode()))  # mq1: one deadline
+    for offset in range(10, 30):
+        old.fetched(offset)
+    old.lease(25, t + 50)
+    _, meta3 = old.checkpoint()
+    assert _Part((10, meta3)).hold_for(3 + 10) == t + 100
+
+
+def test_lease_steps_give_way_when_the_broker_keeps_little_metadata() -> None:
+    """Halving the metadata limit (a broker with a small offset.metadata.max.bytes) cuts
+    the steps down to one with the latest deadline, never shorter, so commits fit."""
+    t = 1700000000.0
+    part = _Part((0, ""))
+    for n in range(16):
+        part.fetched(n)
+        part.lease(n, t + n * 7)
+    _, meta = part.checkpoint(limit=50)
+    assert len(meta) <= 50 + 40
+    assert _Checkpoint.decode(meta).leases == ((16, t + 105),)
 
 
 def test_moving_offsets_survive_a_full_checkpoint() -> None:

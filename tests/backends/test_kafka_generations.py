@@ -275,3 +275,38 @@ def test_a_receive_that_picked_during_a_revocation_hands_nothing_out() -> None:
         assert sorted(r.offset for r in sub.suspended[P][1]) == list(range(10))
     finally:
         _close(member)
+
+
+def test_records_out_during_a_fresh_takeover_never_come_back() -> None:
+    """Review of session 23: a receive's fence was slow; meanwhile the partition was
+    revoked, another member committed, and it came back to us taken over afresh (a new
+    partition state, read from that member's checkpoint). The failed receive put its
+    records back because the partition was "ours": the next receive would hand them out
+    with their old attempts beside the new state's own delivery of the same records."""
+    coordinator, _, member, sub = _generation_5()
+    try:
+        _assign(sub, member)
+        sub._ingest(_records(0, 10))
+        real_fence = sub._fence
+
+        def fence_across_a_takeover(budget: float, force: Any = ()) -> None:
+            with sub.cv:  # revoked ...
+                sub.epoch += 1
+                sub._suspend([P])
+            # ... another member handed offsets 0..9 out and committed its checkpoint ...
+            coordinator.offsets[P] = (0, Checkpoint(10, 0, time.time() + 5).encode())
+            # ... and the partition comes back to us, taken over afresh.
+            assert sub._adopt([P], {P: coordinator.offsets[P]}, epoch=sub.epoch, gen=5)
+            real_fence(budget, force)
+
+        sub._fence = fence_across_a_takeover  # type: ignore[method-assign]
+        assert sub.receive(5, 0.3) == []
+        sub._fence = real_fence  # type: ignore[method-assign]
+        fresh = sub.parts[P]
+        assert all(r.part is fresh for r in sub.ready), "stale records went back"
+        # The new state reads the records again: held until the other member's lease
+        # ends, then delivered with attempt 2, never 1.
+        sub._ingest(_records(0, 10))
+        assert not [r for r in sub.ready if r.n == 0]
+    finally:
+        _close(member)
