@@ -124,6 +124,37 @@ def test_a_malformed_field_reads_as_absent(bad: bytes | None) -> None:
     assert f.published_at is None or math.isinf(f.published_at)  # "1e999999" is inf
 
 
+@pytest.mark.parametrize("pairs", [
+    [],
+    [("u", b"1"), (wire.CORRELATION_ID, b"c"), (wire.REASON, b"r"), ("mq-other", b"x")],
+    [(wire.ID, b"m"), (wire.ATTEMPT, b"2"), (wire.PUBLISHED_AT, b"1.5"),
+     (wire.DELIVER_AT, b"2.5"), (wire.KEY, b"k"), (wire.TOPIC, b"t"), (wire.HOPS, b"3")],
+    [(wire.ATTEMPT, b"two"), (wire.PUBLISHED_AT, b"1e999999"), (wire.HOPS, None)],
+    [(wire.ID, b"first"), (wire.ID, b"second"), ("u", b"1"), ("u", b"2")],
+    [(wire.ID, "str"), (wire.ATTEMPT, 3), (wire.PUBLISHED_AT, 1.5), ("u", None)],
+    # the two headers every record carries (read straight), and that path's near misses
+    [(wire.PUBLISHED_AT, b"1795814487.9900324"), (wire.ID, b"2712df98629e")],
+    [(wire.PUBLISHED_AT, b"1.5"), (wire.ID, b"")],
+    [(wire.PUBLISHED_AT, b" 1_0.5 "), (wire.ID, b"\xff")],
+    [(wire.PUBLISHED_AT, b"bad"), (wire.ID, b"m")],
+    [(wire.PUBLISHED_AT, b"\xff"), (wire.ID, b"m")],
+    [(wire.PUBLISHED_AT, "\u0661.5".encode()), (wire.ID, b"m")],
+    [(wire.PUBLISHED_AT, b"1e999999"), (wire.ID, b"m")],
+    [(wire.PUBLISHED_AT, None), (wire.ID, b"m")],
+    [(wire.ID, b"m"), (wire.PUBLISHED_AT, b"1.5")],
+    [(wire.PUBLISHED_AT, "1.5"), (wire.ID, "m")],
+    [(wire.PUBLISHED_AT, b"1.5"), ("u", b"m")],
+])
+def test_received_is_split_then_read(pairs: list[tuple[str, object]]) -> None:
+    """The consumer's one-pass decoding gives what the two steps give, on every input."""
+    for skip in ((), frozenset({"u", wire.ID})):
+        headers, meta = wire.split(pairs, skip)
+        for given in (pairs, tuple(pairs)):
+            got = wire.received(given, skip)
+            assert got == (headers, wire.read(meta))
+            assert repr(got) == repr((headers, wire.read(meta)))  # (types too: 0 vs 0.0)
+
+
 def test_packed_values_of_the_wrong_type() -> None:
     f = wire.read(wire.unpack({"i": 12, "a": "3", "t": "1700000000.5", "d": [1], "k": 5}))
     assert f == wire.Fields(id="12", attempt=3, published_at=1700000000.5, key="5")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 from mqabstract.errors import Unsupported
@@ -253,6 +253,21 @@ class Part:
             j = min(range(len(ends) - 1), key=lambda k: abs(untils[k + 1] - untils[k]))
             untils[j + 1] = max(untils[j], untils[j + 1])
             del ends[j], untils[j]
+
+    def lease_many(self, offsets: Iterable[int], until: float) -> None:
+        """``lease(offset, until)`` for each of ``offsets`` in turn (one receive's records of
+        this partition, in the order handed out). The next record of a run (its offset the
+        last step's end, with the same deadline) only moves that end, as ``lease`` would,
+        without a call: receive hands out records by the thousand."""
+        ends, untils = self.ends, self.untils  # (changed in place only here)
+        for offset in offsets:
+            if ends and offset == ends[-1] and untils[-1] == until:
+                if offset >= self.mark:
+                    self.mark = offset + 1
+                ends[-1] = offset + 1
+            else:
+                self.lease(offset, until)
+                ends, untils = self.ends, self.untils
 
     def release(self) -> None:
         """Give our leases up (closing): a new owner waits only for those of earlier

@@ -19,7 +19,7 @@ from mqabstract.url import redact
 
 from .client import Outgoing
 from .errors import native
-from .state import Rec
+from .state import Part, Rec
 from .sub_member import GroupMember, _Unknown
 
 log = logging.getLogger("mqabstract.kafka")
@@ -68,6 +68,11 @@ class ApplicationSide(GroupMember, DriverSubscription):
                         self.cv.wait(left)
                     lease_until = time.time() + self.spec.lease
                     epoch = self.epoch
+                    # Each partition's offsets in the order handed out, leased after the
+                    # loop (records come out in runs of one partition).
+                    handed: dict[Part, list[int]] = {}
+                    run: Part | None = None
+                    offsets: list[int] = []
                     while self.ready and len(picked) < max_messages:
                         rec = self.ready.popleft()
                         part = self.parts.get(rec.tp)
@@ -76,8 +81,13 @@ class ApplicationSide(GroupMember, DriverSubscription):
                         token = next(self.tokens)
                         rec.deadline = lease_until
                         self.leased[token] = rec
-                        part.lease(rec.offset, lease_until)
+                        if part is not run:
+                            run = part
+                            offsets = handed.setdefault(part, [])
+                        offsets.append(rec.offset)
                         picked.append((token, rec))
+                    for part, offsets in handed.items():  # (still under the lock)
+                        part.lease_many(offsets, lease_until)
                     if picked and self.paused and self._drained():
                         self.cv.notify_all()  # the paused data thread fetches again
                 finally:

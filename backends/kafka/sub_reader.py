@@ -557,8 +557,7 @@ class DataReader(GroupMember):
     def _decode(self, tp: TP, r: Any, retry: bool) -> Rec | None:
         """A fetched record as a ``Rec``; None for records this group must skip. The
         wire-schema headers go to their fields (defaults for records of plain clients)."""
-        headers, meta = wire.split(r.headers or ())
-        f = wire.read(meta)
+        headers, f = wire.received(r.headers or [])
         key = r.key
         if retry:
             topic = f.topic or ""

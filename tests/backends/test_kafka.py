@@ -320,6 +320,22 @@ def test_lease_steps_stay_few_and_never_shorten_a_lease() -> None:
     assert len(meta) < 4096 and _Checkpoint.decode(meta).leases
 
 
+def test_lease_many_is_lease_for_each() -> None:
+    """What receive uses: ``Part.lease_many`` leaves a partition exactly as ``lease`` for
+    each offset in turn, runs, gaps, records handed out again and extends among them."""
+    t = 1700000000.0
+    one, many = _Part((0, "")), _Part((0, ""))
+    batches = [([0, 1, 2, 3], t + 10), ([4, 5, 9, 10], t + 11), ([2, 3, 11], t + 12),
+               ([12], t + 9), ([13, 14], t + 9), ([1], t + 30)]
+    batches += [(list(range(20 + 5 * n, 23 + 5 * n)), t + 40 + n * (-1) ** n)
+                for n in range(30)]
+    for offsets, until in batches:
+        for offset in offsets:
+            one.lease(offset, until)
+        many.lease_many(offsets, until)
+        assert (many.ends, many.untils, many.mark) == (one.ends, one.untils, one.mark)
+
+
 def test_settled_steps_leave_the_checkpoint_and_closing_gives_leases_up() -> None:
     t = 1700000000.0
     part = _Part((0, ""))
