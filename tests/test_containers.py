@@ -112,3 +112,36 @@ def test_container_port_is_on_loopback_only(monkeypatch: pytest.MonkeyPatch) -> 
             got[0].ack()
     finally:
         box.stop()
+
+
+def test_a_pause_the_engine_could_not_make_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 23: the runtime gave up freezing a loaded container ("unable to freeze")
+    and the scenario failed before any fault was injected. That error asks again; any
+    other, or the same one every time, is raised."""
+    from mqabstract.conformance import containers
+
+    monkeypatch.setattr(containers.time, "sleep", lambda _s: None)
+
+    class Box:
+        def __init__(self, errors: list[str]) -> None:
+            self.errors, self.calls = errors, 0
+
+        def get_wrapped_container(self) -> Box:
+            return self
+
+        def pause(self) -> None:
+            self.calls += 1
+            if self.errors:
+                raise RuntimeError(self.errors.pop(0))
+
+    freezing = Box(["500: OCI runtime pause failed: unable to freeze: unknown"] * 2)
+    containers.Running("kafka", "img", "kafka://x", 1.0, freezing).pause()
+    assert freezing.calls == 3
+    gone = Box(["404: no such container"])
+    with pytest.raises(RuntimeError, match="no such container"):
+        containers.Running("kafka", "img", "kafka://x", 1.0, gone).pause()
+    assert gone.calls == 1
+    stuck = Box(["unable to freeze"] * 10)
+    with pytest.raises(RuntimeError, match="unable to freeze"):
+        containers.Running("kafka", "img", "kafka://x", 1.0, stuck).pause()
+    assert stuck.calls == containers._PAUSE_TRIES
