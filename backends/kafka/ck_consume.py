@@ -232,6 +232,7 @@ class _Member(_Reader, Member):
         self.busy_until = 0.0
         self.gate = threading.Condition()
         self.waiting = 0  # threads waiting to commit
+        self.reading = 0  # threads inside librdkafka's consumer_group_metadata (group_meta)
         self.last_meta: object = None  # the last membership snapshot (group_meta)
         self.closed = False  # a closed librdkafka consumer must not be called (it crashes)
         self.commits: collections.deque[tuple[Any, Any, _Landing, object]] = (
@@ -335,15 +336,31 @@ class _Member(_Reader, Member):
         paused broker), the caller's ``receive`` hung for as long as the broker did. While a
         commit is queued or in flight the last snapshot is used instead: a stale one is
         safe, the committer does not send a commit whose membership has moved on, and a
-        fence re-reads the generation after its commit. (No commit can start while the
-        gate is held here: the committer takes its next one under the gate.)"""
+        fence re-reads the generation after its commit. No commit starts while a thread
+        reads (``reading``: the committer waits for it), and ``close`` waits for readers.
+
+        The read itself is made outside ``gate``: librdkafka answers it only once a
+        rebalance callback running in the group thread's ``consume`` has returned, and that
+        callback commits, so it takes ``gate``. Made under ``gate``, a ``receive`` that
+        fenced just as a revocation began and that callback waited for each other for
+        good (the zombie scenario hung 42 minutes, session 23: py-spy showed the one in
+        ``consumer_group_metadata`` holding ``gate``, the other in ``revoked`` waiting for
+        it)."""
         with self.gate:
             if self.closed:
                 raise ClientError(Kind.FENCED, "the group consumer is closed")
-            if self.waiting and self.last_meta is not None:
+            if (self.waiting or self.reading) and self.last_meta is not None:
                 meta = self.last_meta
-            else:
-                meta = self.last_meta = self.c.consumer_group_metadata()
+                return meta, _generation(meta)
+            self.reading += 1
+        try:
+            meta = self.c.consumer_group_metadata()
+        finally:
+            with self.gate:
+                self.reading -= 1
+                self.gate.notify_all()
+        with self.gate:
+            self.last_meta = meta
         return meta, _generation(meta)
 
     def commit(self, offsets: Mapping[TP, tuple[int, str]],
@@ -380,8 +397,8 @@ class _Member(_Reader, Member):
     def _commit_loop(self) -> None:
         while True:
             with self.gate:
-                while not self.commits and not self.closed:
-                    self.gate.wait(1.0)
+                while (not self.commits or self.reading) and not self.closed:
+                    self.gate.wait(1.0)  # (a commit in flight would hold up a reader)
                 if not self.commits:
                     return  # closed, and nothing left to send
             native, done, pending, expect = self.commits.popleft()
@@ -406,7 +423,7 @@ class _Member(_Reader, Member):
     def close(self) -> None:
         with self.gate:
             self.closed = True
-            while self.waiting:
+            while self.waiting or self.reading:
                 self.gate.wait(0.1)
         super().close()
 

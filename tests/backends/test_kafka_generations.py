@@ -64,8 +64,18 @@ class Lib:
         self.gen, self.member = 5, "m1"
         self.pause: threading.Event | None = None
         self.paused = threading.Event()
+        self.reader_blocked = threading.Event()
+        self.callback_done = threading.Event()
+
+    in_callback: threading.Event | None = None  # set: a rebalance callback is running
 
     def consumer_group_metadata(self) -> bytes:
+        # librdkafka answers only once a rebalance callback running in the group thread's
+        # consume has returned.
+        running = self.in_callback
+        if running is not None and running.is_set():
+            self.reader_blocked.set()
+            self.callback_done.wait(10)
         return (b"CGMDv2:" + self.gen.to_bytes(4, sys.byteorder, signed=True) + b"g\0"
                 + self.member.encode() + b"\0")
 
@@ -100,6 +110,7 @@ def _member(lib: Lib) -> Any:
     m.busy_until = 0.0
     m.gate = threading.Condition()
     m.waiting = 0
+    m.reading = 0
     m.closed = False
     m.commits = collections.deque()
     m.committer = None
@@ -309,4 +320,38 @@ def test_records_out_during_a_fresh_takeover_never_come_back() -> None:
         sub._ingest(_records(0, 10))
         assert not [r for r in sub.ready if r.n == 0]
     finally:
+        _close(member)
+
+
+def test_a_membership_read_during_a_revocation_does_not_deadlock() -> None:
+    """Session 23's zombie run hung 42 minutes: a receive's fence read the membership
+    (librdkafka's consumer_group_metadata, which waits for a rebalance callback running in
+    the group thread's consume) while holding the member's gate, and that callback, the
+    revocation, waited for the gate to send its checkpoints."""
+    _, lib, member, sub = _generation_5()
+    try:
+        _assign(sub, member)
+        sub._ingest(_records(0, 10))
+        assert len(sub.receive(2, 1.0)) == 2  # (a snapshot is known from here on)
+        _settle(member)
+        lib.in_callback = threading.Event()
+        lib.in_callback.set()  # the group thread's consume is in a revocation callback
+        reader = threading.Thread(target=member.group_meta, daemon=True)
+        reader.start()  # a receive's fence asks for the membership meanwhile
+        assert lib.reader_blocked.wait(5)
+
+        def revocation() -> None:
+            member.rebalancing = True
+            sub.revoked([P])  # sends its checkpoints: takes the gate
+            lib.callback_done.set()  # the callback returns: librdkafka answers the reader
+
+        callback = threading.Thread(target=revocation, daemon=True)
+        callback.start()
+        callback.join(5)
+        reader.join(5)
+        assert not callback.is_alive(), "the revocation waited for the gate: deadlock"
+        assert not reader.is_alive()
+        _settle(member)
+    finally:
+        lib.callback_done.set()
         _close(member)
