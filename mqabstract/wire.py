@@ -273,55 +273,26 @@ def _str(v: Any) -> str | None:
     return None if v is None else v if v.__class__ is str else text(v)
 
 
-#: Where ``received`` puts each field of ``Fields``.
-_FIELD = {ID: 0, ATTEMPT: 1, PUBLISHED_AT: 2, DELIVER_AT: 3, KEY: 4, TOPIC: 5, HOPS: 6}
-
-
 def received(pairs: Iterable[tuple[str, Any]], skip: Container[str] = (),
              ) -> tuple[dict[str, str], Fields]:
-    """:func:`split` and :func:`read` in one pass: ``(headers, read(meta))`` for
-    ``headers, meta = split(pairs, skip)``, without the dict of ``mq-*`` values between
-    them (a consumer decodes every record's headers: the hot path). The two headers a
-    record published through mqabstract carries and no more (``mq-published-at``, then
-    ``mq-id``, as bytes: Kafka's clients) are read straight; anything else, a value that
-    does not parse too, goes through the general loop."""
+    """``(headers, read(meta))`` for ``headers, meta = split(pairs, skip)``: a consumer
+    decodes every record's headers (the hot path), and a record published through
+    mqabstract carries two and no more (``mq-published-at``, then ``mq-id``, as bytes:
+    Kafka's clients), read here straight; anything else, a value that does not parse
+    too, goes through :func:`split` and :func:`read`."""
     if not skip and isinstance(pairs, list) and len(pairs) == 2:
         (k0, at), (k1, mid) = pairs
         if (k0 == PUBLISHED_AT and k1 == ID and at.__class__ is bytes
                 and mid.__class__ is bytes):
             try:
-                published = float(at)  # (bytes: ASCII only; else the general loop decides)
+                published = float(at)  # (bytes: ASCII only; else the general path decides)
             except ValueError:
                 pass
             else:
                 return {}, _new(Fields, (mid.decode("utf-8", "replace") or None, 0,
                                          published, None, None, None, 0))
-    headers: dict[str, str] = {}
-    got: list[str | None] | None = None
-    field = _FIELD.get
-    for k, v in pairs:
-        if skip and k in skip:
-            continue
-        cls = v.__class__
-        s = v if cls is str else v.decode("utf-8", "replace") if cls is bytes else text(v)
-        i = field(k)
-        if i is not None:
-            if got is None:
-                got = [None] * 7
-            got[i] = s
-        elif k in CARRIED or not k.startswith(PREFIX):
-            headers[k] = s
-    if got is None:
-        return headers, _PLAIN
-    mid_, n, at_, due, key, topic, hops = got
-    try:  # the fields as this codec writes them (as ``read``)
-        return headers, _new(Fields, (
-            mid_ or None, int(n) if n is not None else 0,
-            float(at_) if at_ is not None else None, float(due) if due is not None else None,
-            key, topic, int(hops) if hops is not None else 0))
-    except (ValueError, OverflowError):  # a malformed field reads as absent
-        return headers, _new(Fields, (mid_ or None, _int(n), _float(at_), _float(due), key,
-                                      topic, _int(hops)))
+    headers, meta = split(pairs, skip)
+    return headers, read(meta)
 
 
 def read(meta: Mapping[str, Any]) -> Fields:

@@ -141,10 +141,14 @@ def ranges(offsets: Collection[int]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _end(step: tuple[int, float]) -> int:
+    return step[0]
+
+
 class Part:
     """Offsets of one assigned partition: fetched, acked, committed, and its checkpoint."""
 
-    __slots__ = ("bump", "committed", "confirmed", "done", "ends", "gen", "held", "hold",
+    __slots__ = ("bump", "committed", "confirmed", "done", "ends", "gen", "held",
                  "inherited", "mark", "meta", "moved", "moving", "next_fetch", "order",
                  "revoked_at", "sent_meta", "untils")
 
@@ -181,7 +185,6 @@ class Part:
         if committed is not None and ckpt.mark > committed:
             self.inherited = ckpt.mark
             self.bump = ckpt.bump + 1
-            self.hold = ckpt.deadline  # (the latest of them)
             # Without steps (a checkpoint of an older version) one step covers them all.
             self.held = (tuple((end, until) for end, until in ckpt.leases if end > committed)
                          or ((ckpt.mark, ckpt.deadline),))
@@ -196,18 +199,22 @@ class Part:
         else:
             self.inherited = 0
             self.bump = 0
-            self.hold = 0.0
 
     def extra_attempts(self, offset: int) -> int:
         """Attempts to add to an inherited record below the mark (see ``__init__``)."""
         return self.bump + (offset in self.moved)
+
+    @property
+    def hold(self) -> float:
+        """The latest lease an earlier owner gave on any inherited record (0: none)."""
+        return max((until for _, until in self.held), default=0.0)
 
     def hold_for(self, offset: int) -> float:
         """Until when an inherited record below the mark waits: the last lease an earlier
         owner gave on its step (``Checkpoint.leases`` as inherited: not what this owner's
         settles and leases made of them since)."""
         held = self.held
-        i = bisect_right([end for end, _ in held], offset)
+        i = bisect_right(held, offset, key=_end)
         return held[i][1] if i < len(held) else 0.0
 
     def lease_of(self, offset: int) -> float:
