@@ -115,8 +115,10 @@ def report(acked: int, wall: float, cpu0: dict[str, float], cpu1: dict[str, floa
           f"(wall {areas.wall['driver receive: fence'] * us:.2f})")
     print(f"    portable part              {(app_receive - recv_drv) * us:7.2f}")
     print(f"  acks                         {app_ack * us:7.2f}")
-    print(f"data thread _ingest            {areas.cpu['data thread: _ingest'] * us:7.2f}"
-          f"  ({areas.calls['data thread: _ingest']} calls)")
+    print("other areas, per message (µs CPU):")
+    for area in sorted(areas.cpu):
+        if area.startswith(("data thread", "checkpoints")):
+            print(f"  {area:40s} {areas.cpu[area] * us:7.2f}  ({areas.calls[area]} calls)")
 
 
 def offline(sub: Subscription, inner: Any, msgs: list[Any], args: argparse.Namespace
@@ -135,8 +137,10 @@ def offline(sub: Subscription, inner: Any, msgs: list[Any], args: argparse.Names
     if not all(parts.values()):
         print("offline: the partitions are not ours any more; skipped")
         return
-    for name in ("receive", "_fence", "_ingest"):  # the live run's timers off
+    for name in ("receive", "_fence", "_ingest", "_tick", "_poll_ms", "_refresh_data",
+                 "_check_stalled", "_checkpoints"):  # the live run's timers off
         vars(inner).pop(name, None)
+    vars(inner.data).pop("poll", None)
     vars(inner.data).pop("_group", None)
     inner._fence = lambda *a, **kw: None  # (a commit per receive: measured live above)
     k = len(msgs)
@@ -170,9 +174,10 @@ def one_round(sub: Subscription, inner: Any, msgs: list[Any], args: argparse.Nam
     """One offline round of ``offline``: each area timed once."""
 
     receive = Subscription.receive
-    for part in parts.values():  # as fetched afresh: nothing pending, nothing done
-        part.order.clear()
-        part.done.clear()
+    with inner.lock:  # (the group thread builds checkpoints from them meanwhile)
+        for part in parts.values():  # as fetched afresh: nothing pending, nothing done
+            part.order.clear()
+            part.done.clear()
     c0 = time.thread_time()
     records = inner.data._group(msgs)
     note("wrap + group (ck_consume)", time.thread_time() - c0)
@@ -267,6 +272,11 @@ def main() -> None:
             areas.wrap(inner, "receive", "driver receive")
             areas.wrap(inner, "_fence", "driver receive: fence")
             areas.wrap(inner, "_ingest", "data thread: _ingest")
+            for name in ("_tick", "_poll_ms", "_refresh_data", "_check_stalled"):
+                if hasattr(inner, name):  # (older trees: not all of them)
+                    areas.wrap(inner, name, f"data thread: {name}")
+            areas.wrap(inner.data, "poll", "data thread: poll (consume + wrap)")
+            areas.wrap(inner, "_checkpoints", "checkpoints (group thread, fences)")
             fetched: list[Any] = []
             group_real = inner.data._group
 
