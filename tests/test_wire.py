@@ -226,8 +226,8 @@ def test_kafka_copy_decodes_to_the_next_attempt(delivered: int) -> None:
     headers = KafkaSubscription._copy_headers(rec, wire.retry_fields(delivered))
     record = SimpleNamespace(headers=headers, key=b"k-1", offset=9, value=b"x",
                              timestamp=1)
-    got = KafkaSubscription._decode(SimpleNamespace(), TP("mq-retry.g", 0),  # type: ignore[arg-type]
-                                    record, True)
+    fake = SimpleNamespace(retry="mq-retry.g", declared_ms=0)
+    [got] = KafkaSubscription._decode(fake, TP("mq-retry.g", 0), [record])  # type: ignore[arg-type]
     assert got is not None
     assert (got.n, got.id, got.key, got.topic, got.published_at, got.headers) == (
         delivered, "m-1", "k-1", "orders.eu", AT, {"user": "v"})  # attempt n + 1 next

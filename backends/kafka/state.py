@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
 from mqabstract.errors import Unsupported
@@ -286,6 +286,11 @@ class Part:
         self.order.append(offset)
         self.next_fetch = offset + 1
 
+    def fetched_many(self, offsets: Sequence[int]) -> None:
+        """``fetched`` for each of ``offsets`` (in order, at least one): one fetch's run."""
+        self.order.extend(offsets)
+        self.next_fetch = offsets[-1] + 1
+
     def commit_point(self) -> int | None:
         order, done = self.order, self.done
         while order and order[0] in done:
@@ -344,7 +349,7 @@ class Rec:
     def __init__(self, tp: TP, offset: int, topic: str = "", body: bytes = b"",
                  headers: dict[str, str] | None = None, key: str | None = None, id: str = "",
                  n: int = 0, published_at: float = 0.0, due: float = 0.0,
-                 hops: int = 0) -> None:
+                 hops: int = 0, since: float = 0.0) -> None:
         self.tp = tp
         self.offset = offset
         self.topic = topic
@@ -357,7 +362,7 @@ class Rec:
         self.due = due
         self.hops = hops
         self.deadline = 0.0
-        self.since = 0.0
+        self.since = since  # (monotonic) ready since, for the idle hand-off
         self.fencing = 0  # extends whose fence is in flight (the lease is not expired)
         # The partition state it was fetched into (``SubscriptionState._owned``): a
         # record goes back to the buffers, or is leased again, only while that is still

@@ -518,71 +518,87 @@ class DataReader(GroupMember):
     # -- fetched records into the buffers (both threads) ----------------------------------------
     def _ingest(self, batches: Mapping[TP, list[Fetched]]) -> None:
         # Decoded before taking the lock: receive, ack and commits wait on it.
-        decoded = [(tp, [(r.offset, self._decode(tp, r, tp.topic == self.retry))
-                         for r in records]) for tp, records in batches.items()]
-        now = time.time()
         mono = time.monotonic()
-        added = False
+        decoded = [(tp, [r.offset for r in records], self._decode(tp, records, mono))
+                   for tp, records in batches.items() if records]
+        now = time.time()
         with self.cv:
-            for tp, recs in decoded:
+            ready = self.ready  # (replaced only under the lock)
+            before = len(ready)
+            for tp, offsets, recs in decoded:
                 part = self.parts.get(tp)
                 if part is None:
                     continue  # not (or no longer) ours: its owner reads it
+                part.fetched_many(offsets)
                 inherited = part.inherited
-                for offset, rec in recs:
-                    part.fetched(offset)
-                    if rec is not None:
-                        rec.part = part
-                    if offset < inherited and offset in part.done:
-                        continue  # settled by an earlier owner (its checkpoint says so)
-                    if rec is None:
-                        part.done.add(offset)
-                        continue
+                done = part.done
+                for offset, rec in zip(offsets, recs, strict=True):
                     if offset < inherited:
+                        if offset in done:
+                            continue  # settled by an earlier owner (its checkpoint says so)
+                        if rec is None:
+                            done.add(offset)
+                            continue
                         # Handed to an application by owners that died, froze or lost the
                         # partition before settling it: one attempt more than any of them
                         # gave, and not before the last lease on its step ends.
                         rec.n += part.extra_attempts(offset)
                         hold = min(part.hold_for(offset), now + self.d.capabilities.max_lease)
                         rec.due = max(rec.due, hold)
+                    elif rec is None:
+                        done.add(offset)
+                        continue
+                    rec.part = part
                     if rec.due > now:
                         heapq.heappush(self.held, (rec.due, next(self.seq), rec))
                     else:
-                        rec.since = mono
-                        self.ready.append(rec)
-                        added = True
-            if added:
+                        ready.append(rec)
+            if len(ready) > before:
                 self.cv.notify_all()
 
-    def _decode(self, tp: TP, r: Any, retry: bool) -> Rec | None:
-        """A fetched record as a ``Rec``; None for records this group must skip. The
-        wire-schema headers go to their fields (defaults for records of plain clients)."""
-        headers, f = wire.received(r.headers or [])
-        key = r.key
-        if retry:
-            topic = f.topic or ""
-            text_key = f.key
-            if text_key is None and key is not None:
-                text_key = key.decode("utf-8", "replace")
-        else:
-            if r.timestamp < self.declared_ms:
-                # Published before the group existed. Also what makes a too-low start
-                # offset harmless (tansu's end offsets after batched produce).
-                return None
-            name = tp.topic
+    def _decode(self, tp: TP, records: Sequence[Any], since: float = 0.0
+                ) -> list[Rec | None]:
+        """Fetched records of one partition as ``Rec``s (ready since ``since``); None for
+        records this group must skip. The wire-schema headers go to their fields (defaults
+        for records of plain clients). One loop per partition, what is per partition
+        resolved once: every record passes here."""
+        received = wire.received
+        out: list[Rec | None] = []
+        add = out.append
+        name = tp.topic
+        retry = name == self.retry
+        topic = ""
+        hashed = False
+        declared = self.declared_ms
+        if not retry:
             known = self.names.get(name)
+            hashed = known is None and name.startswith(HASHED)
             if known is not None:
                 topic = known
-            elif name.startswith(HASHED):
-                topic = f.topic or ""
-                if not topic or not topic_matches(self.spec.pattern, topic):
-                    return None
-            else:
+            elif not hashed:
                 topic = self.names[name] = unescape(name[len(self.d.prefix):])
-            text_key = key.decode("utf-8", "replace") if key is not None else None
-        offset = r.offset
-        value = r.value
-        at = f.published_at
-        return Rec(tp, offset, topic, value if value is not None else b"", headers, text_key,
-                   f.id or f"{tp.topic}-{tp.partition}-{offset}", f.attempt,
-                   at if at is not None else r.timestamp / 1000, f.deliver_at or 0.0, f.hops)
+        for r in records:
+            if not retry and r.timestamp < declared:
+                # Published before the group existed. Also what makes a too-low start
+                # offset harmless (tansu's end offsets after batched produce).
+                add(None)
+                continue
+            headers, (mid, n, at, due, text_key, mq_topic, hops) = received(r.headers or [])
+            key = r.key
+            if retry:
+                topic = mq_topic or ""
+                if text_key is None and key is not None:
+                    text_key = key.decode("utf-8", "replace")
+            else:
+                if hashed:
+                    topic = mq_topic or ""
+                    if not topic or not topic_matches(self.spec.pattern, topic):
+                        add(None)
+                        continue
+                text_key = key.decode("utf-8", "replace") if key is not None else None
+            offset = r.offset
+            value = r.value
+            add(Rec(tp, offset, topic, value if value is not None else b"", headers, text_key,
+                    mid or f"{name}-{tp.partition}-{offset}", n,
+                    at if at is not None else r.timestamp / 1000, due or 0.0, hops, since))
+        return out

@@ -336,6 +336,16 @@ def test_lease_many_is_lease_for_each() -> None:
         assert (many.ends, many.untils, many.mark) == (one.ends, one.untils, one.mark)
 
 
+def test_fetched_many_is_fetched_for_each() -> None:
+    """What ``_ingest`` uses: one fetch's run of offsets, as ``fetched`` for each."""
+    one, many = _Part((0, "")), _Part((0, ""))
+    for run in ([0, 1, 2], [3], [7, 8, 10]):
+        for offset in run:
+            one.fetched(offset)
+        many.fetched_many(run)
+        assert (list(many.order), many.next_fetch) == (list(one.order), one.next_fetch)
+
+
 def test_settled_steps_leave_the_checkpoint_and_closing_gives_leases_up() -> None:
     t = 1700000000.0
     part = _Part((0, ""))
