@@ -56,7 +56,8 @@ class ApplicationSide(GroupMember, DriverSubscription):
         started = time.monotonic()
         deadline = started + timeout
         while True:
-            picked: list[tuple[int, Rec]] = []
+            picked: list[Rec] = []
+            tokens: list[int] = []
             with self.cv:
                 self._check_open()
                 self.waiting += 1
@@ -66,26 +67,31 @@ class ApplicationSide(GroupMember, DriverSubscription):
                         if left <= 0 or self.closed or self.error is not None:
                             break
                         self.cv.wait(left)
+                    ready = self.ready  # (after the wait: the data thread may replace it)
                     lease_until = time.time() + self.spec.lease
                     epoch = self.epoch
                     # Each partition's offsets in the order handed out, leased after the
-                    # loop (records come out in runs of one partition).
+                    # loop. Records come out in runs of one partition: the partition's
+                    # state is looked up once per run (``run``: the state the last record
+                    # was fetched into and still the partition's; the lock is held).
                     handed: dict[Part, list[int]] = {}
                     run: Part | None = None
                     offsets: list[int] = []
-                    while self.ready and len(picked) < max_messages:
-                        rec = self.ready.popleft()
-                        part = self.parts.get(rec.tp)
-                        if part is None or part is not rec.part:
-                            continue  # (its partition was taken over afresh: stale)
-                        token = next(self.tokens)
-                        rec.deadline = lease_until
-                        self.leased[token] = rec
-                        if part is not run:
+                    parts, leased, count = self.parts.get, self.leased, self.tokens
+                    while ready and len(picked) < max_messages:
+                        rec = ready.popleft()
+                        if rec.part is not run or run is None:
+                            part = parts(rec.tp)
+                            if part is None or part is not rec.part:
+                                continue  # (its partition was taken over afresh: stale)
                             run = part
                             offsets = handed.setdefault(part, [])
+                        token = next(count)
+                        rec.deadline = lease_until
+                        leased[token] = rec
                         offsets.append(rec.offset)
-                        picked.append((token, rec))
+                        picked.append(rec)
+                        tokens.append(token)
                     for part, offsets in handed.items():  # (still under the lock)
                         part.lease_many(offsets, lease_until)
                     if picked and self.paused and self._drained():
@@ -97,7 +103,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
                 return []
             budget = min(max(self.spec.lease / 4, 0.25), self.d.opts["request_timeout_ms"] / 1000)
             try:
-                self._fence(budget, force={rec.tp for _, rec in picked})
+                self._fence(budget, force={rec.tp for rec in picked})
                 with self.lock:
                     if self.epoch != epoch:
                         # Revoked between the pick and the commit: the commit may not have
@@ -117,7 +123,7 @@ class ApplicationSide(GroupMember, DriverSubscription):
                          self.spec.name, redact(str(exc))[:300])
                 with self.cv:
                     back = []
-                    for token, rec in picked:
+                    for token, rec in zip(tokens, picked, strict=True):
                         self.leased.pop(token, None)
                         owned = self._owned(rec)
                         if owned == "active":
@@ -132,7 +138,8 @@ class ApplicationSide(GroupMember, DriverSubscription):
                     return []
                 continue
             return [Delivery(rec.id, rec.topic, rec.body, rec.headers, rec.key, 0, rec.n + 1,
-                             rec.published_at, token) for token, rec in picked]
+                             rec.published_at, token)
+                    for token, rec in zip(tokens, picked, strict=True)]
 
     def _fence_for(self, rec: Rec, move: bool = True) -> tuple[object, int | None] | None:
         """``_fence`` before a settle re-publishes ``rec`` (nack, dead letter: ``move``,

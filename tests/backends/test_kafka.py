@@ -1186,3 +1186,26 @@ def test_a_member_left_without_an_assignment_is_replaced(url, names, monkeypatch
         again = _received_one(sub, f"{root}.a", mq)
         assert again.id != first.id
         again.ack()
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_receive_waiting_while_a_new_topic_is_assigned_gets_its_records(
+        url, names, client) -> None:
+    """The data thread replaces the ready buffer when it assigns a new topic's partitions;
+    a receive already waiting on the buffer must hand out what the new one holds (one
+    that kept the old buffer waited out its whole timeout with the record ready)."""
+    group, root = names
+    with mqabstract.connect(f"{url}{'&' if '?' in url else '?'}client={client}") as mq:
+        sub = mq.subscribe(group, f"{root}.#", lease=120)
+        inner = sub._inner
+        got: list[Any] = []
+        waiting = threading.Thread(target=lambda: got.extend(inner.receive(1, 60.0)))
+        waiting.start()
+        limit = time.monotonic() + 30
+        while not inner.waiting and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert inner.waiting  # the driver's receive waits on the (empty) buffer
+        mq.publish(f"{root}.new", b"x")
+        waiting.join(90)
+        assert [d.body for d in got] == [b"x"]
+        inner.ack([d.receipt for d in got])

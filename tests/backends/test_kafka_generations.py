@@ -32,7 +32,7 @@ pytest.importorskip("confluent_kafka")
 from mqabstract import wire
 from mqabstract.backends.kafka import ck_consume
 from mqabstract.backends.kafka.client import TP
-from mqabstract.backends.kafka.state import Checkpoint
+from mqabstract.backends.kafka.state import Checkpoint, Part
 from mqabstract.backends.kafka.subscription import KafkaSubscription
 
 RETRY = "__mqa..r..g"
@@ -355,3 +355,28 @@ def test_a_membership_read_during_a_revocation_does_not_deadlock() -> None:
     finally:
         lib.callback_done.set()
         _close(member)
+
+
+def test_the_hand_out_loop_skips_records_of_a_replaced_partition_state() -> None:
+    """Receive looks a partition's state up once per run of its records: a record whose
+    state is not the partition's (taken over afresh meanwhile, or none) is dropped wherever
+    it sits in the run, first, inside or last, and only the others are leased and marked."""
+    _, _, member, sub = _generation_5()
+    try:
+        _assign(sub, member)
+        sub._ingest(_records(0, 10))
+        part = sub.parts[P]
+        old = Part((0, ""))  # a state the partition had before a fresh takeover
+        with sub.cv:
+            for rec in sub.ready:
+                if rec.offset == 0:
+                    rec.part = None
+                elif rec.offset in (4, 5, 9):
+                    rec.part = old
+        handed = sub.receive(10, 1.0)
+        assert [d.id for d in handed] == [f"id-{o}" for o in (1, 2, 3, 6, 7, 8)]
+        assert sorted(r.offset for r in sub.leased.values()) == [1, 2, 3, 6, 7, 8]
+        assert part.mark == 9 and not sub.ready
+    finally:
+        _close(member)
+
