@@ -69,6 +69,8 @@ class Source(Protocol):
 
     def _extend(self, msg: Message, seconds: object) -> None: ...
 
+    def _ack(self, msg: Message) -> None: ...
+
     def ack_many(self, messages: Iterable[Message]) -> None: ...
 
 
@@ -259,7 +261,7 @@ class Message:
 
     def ack(self) -> None:
         """Done: remove the message for this group. A second ack is a no-op."""
-        self._sub.ack_many((self,))
+        self._sub._ack(self)
 
     def nack(self, delay: float = 0.0) -> None:
         """Give the message back for redelivery after ``delay`` seconds.

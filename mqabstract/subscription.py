@@ -209,14 +209,18 @@ class Subscription:
             replies: list[Delivery] = []
             missed: list[Delivery] = []  # counted deliveries the lease ran out on here
             unseen = keeper.unseen if keeper is not None else None
+            skips = self._skips_replies
+            # (no limit without dead letters: an exhausted message is delivered again)
+            most = spec.max_attempts if dead_letters else math.inf
             for delivery in batch:
                 if unseen and delivery.id in unseen:
                     delivery.attempt = max(1, delivery.attempt - unseen.pop(delivery.id))
-                if (self._skips_replies and delivery.topic.startswith(_REPLY_PREFIX)
-                        and delivery.headers and _CORRELATION_ID in delivery.headers):
+                headers = delivery.headers
+                if (skips and delivery.topic.startswith(_REPLY_PREFIX)
+                        and headers and _CORRELATION_ID in headers):
                     replies.append(delivery)
                     continue
-                if dead_letters and delivery.attempt > spec.max_attempts:
+                if delivery.attempt > most:
                     if self._broker._monotonic() < lease_deadline:
                         self._expire(delivery)
                         if keeper is not None:
@@ -224,9 +228,9 @@ class Subscription:
                     else:  # it comes again
                         missed.append(delivery)
                     continue
-                if delivery.headers and _EXPIRES_AT in delivery.headers:
+                if headers and _EXPIRES_AT in headers:
                     now = now or self._broker._now()
-                    if _ttl_ended(delivery.headers[_EXPIRES_AT], now):
+                    if _ttl_ended(headers[_EXPIRES_AT], now):
                         ended.append(delivery)
                         if keeper is not None:
                             keeper.forget(delivery)
@@ -321,6 +325,39 @@ class Subscription:
     def _forget(self, msg: Message) -> None:
         with self._lock:
             self._unsettled.discard(msg)
+
+    def _ack(self, msg: Message) -> None:
+        """``Message.ack``: ``ack_many((msg,))``, its common case (unsettled and in time,
+        nothing to wait for, no middleware listening, no ordered-key gate) without the
+        batch's bookkeeping; any other case goes to ``ack_many``."""
+        if (msg._state is not None or self._extending or self._gatekeeper is not None
+                or self._broker._chain.settlers):
+            self.ack_many((msg,))
+            return
+        self._check_open()
+        now = self._broker._monotonic()
+        with self._lock:  # atomic with a hand-back from another thread (see _begin)
+            taken = msg._state is None and now < msg._deadline
+            if taken:
+                msg._state = "acked"
+                self._unsettled.discard(msg)
+        if not taken:  # late, or settled meanwhile by another thread
+            self.ack_many((msg,))
+            return
+        try:
+            with self._broker._guard:
+                self._inner.ack((msg._receipt,))
+        except LeaseExpired as exc:
+            if not exc.receipts or msg._receipt in exc.receipts:
+                msg._state = "expired"
+                self._gone((msg,))
+            raise
+        except BaseException:
+            # Not acked (as far as anyone knows): unsettled again (as in ack_many).
+            with self._lock:
+                msg._state = None
+                self._unsettled.add(msg)
+            raise
 
     def ack_many(self, messages: Iterable[Message]) -> None:
         """Ack messages of this subscription with one driver call: what ``Message.ack`` does

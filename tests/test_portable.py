@@ -346,6 +346,31 @@ def test_failed_ack_leaves_the_message_unsettled(mq: mqabstract.Broker) -> None:
     assert m.settled
 
 
+@pytest.mark.parametrize("single", [True, False])
+def test_a_stray_driver_error_on_ack_is_translated_and_leaves_it_unsettled(
+        mq: mqabstract.Broker, single: bool) -> None:
+    """``Message.ack`` (its own short path) and ``ack_many`` alike: a driver's stray
+    exception comes out as an ``MQError`` and the message can be acked again."""
+    sub = mq.subscribe("g", "a.#", lease=30)
+    mq.publish("a.b", b"x")
+    [m] = sub.receive(1, 0)
+    inner = sub._inner  # type: ignore[attr-defined]
+    ack = inner.ack
+
+    def broken(receipts: list[object]) -> None:
+        raise RuntimeError("driver bug")
+
+    inner.ack = broken
+    with pytest.raises(mqabstract.MQError) as caught:
+        m.ack() if single else sub.ack_many([m])
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert not m.settled
+    inner.ack = ack
+    m.ack()
+    m.ack()  # a second ack: nothing to do
+    assert m.settled and sub.receive(1, 0) == []
+
+
 @pytest.mark.parametrize("op", ["ack", "nack", "dead_letter", "extend"])
 def test_lease_rule_on_fake_clock(mq: mqabstract.Broker, clock: FakeClock, op: str) -> None:
     """At the deadline a settle raises LeaseExpired, even before anyone else received the
