@@ -38,7 +38,7 @@ from .dedupe import DedupeStore
 from .driver import DriverSubscription
 from .errors import AlreadySettled, Closed, InvalidArgument, LeaseExpired, MQError
 from .gatekeeper import Gatekeeper
-from .guard import _Guard
+from .guard import _Guard, _translate
 from .hooks import Hooks
 from .host import Host
 from .message import Message, _ran_out
@@ -345,18 +345,20 @@ class Subscription:
             self.ack_many((msg,))
             return
         try:
-            with self._broker._guard:
-                self._inner.ack((msg._receipt,))
+            self._inner.ack((msg._receipt,))
         except LeaseExpired as exc:
             if not exc.receipts or msg._receipt in exc.receipts:
                 msg._state = "expired"
                 self._gone((msg,))
             raise
-        except BaseException:
+        except BaseException as exc:
             # Not acked (as far as anyone knows): unsettled again (as in ack_many).
             with self._lock:
                 msg._state = None
                 self._unsettled.add(msg)
+            if isinstance(exc, Exception) and not isinstance(exc, MQError):
+                # (the broker's guard, written out: this is the per-message path)
+                raise _translate(exc, self._broker._guard.backend) from exc
             raise
 
     def ack_many(self, messages: Iterable[Message]) -> None:
