@@ -91,7 +91,8 @@ class _Reader(Reader):
 
     def _group(self, msgs: list[Any]) -> dict[TP, list[Fetched]]:
         out: dict[TP, list[Fetched]] = {}
-        last: tuple[str, int] | None = None
+        topic: str | None = None
+        partition = -1
         batch: list[Fetched] = []
         record = _Record
         for msg in msgs:
@@ -103,10 +104,11 @@ class _Reader(Reader):
                         raise failure
                     log.debug("kafka: fetch: %s", failure)
                 continue
-            here = (msg.topic(), msg.partition())
-            if here != last:  # a fetch returns runs of one partition
-                last = here
-                tp = TP(*here)
+            p = msg.partition()
+            t = msg.topic()
+            if p != partition or t != topic:  # a fetch returns runs of one partition
+                topic, partition = t, p
+                tp = TP(t, p)
                 found = out.get(tp)
                 batch = out[tp] = [] if found is None else found
             batch.append(record(msg))

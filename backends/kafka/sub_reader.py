@@ -365,11 +365,12 @@ class DataReader(GroupMember):
         with self.lock:
             if self.held:
                 wake = min(wake, self.held[0][0])
-            for rec in self.leased.values():
-                # (an expired lease on a suspended partition waits for the assignment;
-                # one whose extend is in flight waits for the extend)
-                if not rec.fencing:
-                    wake = min(wake, max(rec.deadline, now + 0.05))
+            # The first lease end, but not sooner than in 50 ms (an expired lease on a
+            # suspended partition waits for the assignment); one whose extend is in flight
+            # waits for the extend. One pass: the loop runs with every lease held.
+            ends = [rec.deadline for rec in self.leased.values() if not rec.fencing]
+            if ends:
+                wake = min(wake, max(min(ends), now + 0.05))
             if self.ready and not self.waiting:
                 wake = min(wake, now + self.d.opts["handoff_ms"] / 2000)
         return int(max(0.005, wake - now) * 1000)
@@ -380,15 +381,16 @@ class DataReader(GroupMember):
         expired: list[Rec] = []
         handoff: list[Rec] = []
         with self.cv:
-            for token, rec in list(self.leased.items()):
-                if rec.deadline <= now and not rec.fencing:  # (an extend in flight: kept)
-                    owned = self._owned(rec)
-                    if owned == "active":
-                        del self.leased[token]
-                        expired.append(rec)
-                    elif owned is None:
-                        del self.leased[token]  # the partition moved: its owner redelivers
-                    # else: revoked for a rebalance; decided when the assignment settles
+            ended = [(token, rec) for token, rec in self.leased.items()
+                     if rec.deadline <= now and not rec.fencing]  # (an extend in flight: kept)
+            for token, rec in ended:
+                owned = self._owned(rec)
+                if owned == "active":
+                    del self.leased[token]
+                    expired.append(rec)
+                elif owned is None:
+                    del self.leased[token]  # the partition moved: its owner redelivers
+                # else: revoked for a rebalance; decided when the assignment settles
             released = False
             while self.held and self.held[0][0] <= now:
                 _, _, rec = heapq.heappop(self.held)
