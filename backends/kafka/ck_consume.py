@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import confluent_kafka as ck
 
@@ -19,17 +19,18 @@ from .client import TP, ClientError, Fetched, Kind, Listener, Member, Pending, R
 __all__ = ["_Member", "_Reader"]
 
 
-class _Record:
-    """A fetched record with the attributes ``Fetched`` names."""
+class _Record(NamedTuple):
+    """A fetched record with the attributes ``Fetched`` names (a tuple: ``_group`` makes
+    one per record without a Python call)."""
 
-    __slots__ = ("headers", "key", "offset", "timestamp", "value")
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]] | None
+    timestamp: int
 
-    def __init__(self, msg: Any) -> None:
-        self.offset: int = msg.offset()
-        self.key: bytes | None = msg.key()
-        self.value: bytes | None = msg.value()
-        self.headers: list[tuple[str, bytes | None]] | None = msg.headers()
-        self.timestamp: int = msg.timestamp()[1]
+
+_new = tuple.__new__
 
 
 class _Reader(Reader):
@@ -94,7 +95,7 @@ class _Reader(Reader):
         topic: str | None = None
         partition = -1
         batch: list[Fetched] = []
-        record = _Record
+        record, new = _Record, _new
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -111,7 +112,8 @@ class _Reader(Reader):
                 tp = TP(t, p)
                 found = out.get(tp)
                 batch = out[tp] = [] if found is None else found
-            batch.append(record(msg))
+            batch.append(new(record, (msg.offset(), msg.key(), msg.value(), msg.headers(),
+                                      msg.timestamp()[1])))
         for tp, batch in out.items():
             self.next[tp] = batch[-1].offset + 1
         return out
