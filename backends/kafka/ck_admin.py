@@ -95,6 +95,27 @@ class _Admin(Admin):
                 out[name] = min(len(p.replicas) for p in desc.partitions)
         return out
 
+    def unready(self, names: Collection[str]) -> dict[str, str]:
+        try:
+            futures = self.a.describe_topics(ck.TopicCollection(list(names)),
+                                             request_timeout=self.timeout)
+        except Exception as exc:
+            raise classify(exc) from exc
+        out: dict[str, str] = {}
+        for name, future in futures.items():
+            try:
+                desc = _result(future, self.timeout + 5)
+            except ClientError as err:
+                if err.native != "UNKNOWN_TOPIC_OR_PART" and err.kind is not Kind.TRANSIENT:
+                    raise
+                out[name] = err.native or str(err)
+                continue
+            if not desc.partitions:
+                out[name] = "no partitions"
+            elif any(p.leader is None or p.leader.id < 0 for p in desc.partitions):
+                out[name] = "a partition without a leader"
+        return out
+
     def list_topics(self) -> set[str]:
         try:
             return set(self.a.list_topics(timeout=self.timeout).topics)

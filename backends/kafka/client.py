@@ -210,6 +210,12 @@ class Admin(abc.ABC):
         (topics the metadata does not describe are left out). Never creates a topic."""
 
     @abc.abstractmethod
+    def unready(self, names: Collection[str]) -> dict[str, str]:
+        """Per topic of ``names`` not yet usable, why: unknown to the broker answering, or a
+        partition without a leader (a topic created a moment ago, on KRaft). Never
+        creates a topic."""
+
+    @abc.abstractmethod
     def list_topics(self) -> set[str]: ...
 
     @abc.abstractmethod

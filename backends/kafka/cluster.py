@@ -314,8 +314,31 @@ class KafkaCluster(abc.ABC):
         existed = [n for n, o in result.items() if o is Created.EXISTED]
         if existed and brokers > 1 and rf != 1:
             self._check_replication(existed, brokers)
+        if new:
+            self._await_ready(new)
         self._known.update(missing)
         self.topic_version += 1  # our subscriptions look for new matching topics at once
+
+    def _await_ready(self, names: Collection[str]) -> None:
+        """Wait until topics just created are usable. CreateTopics returns once the
+        controller has them; a broker answers for them a moment later, when its metadata
+        has them with a leader per partition (a reader made at once failed its end-offset
+        query with UNKNOWN_PARTITION: conformance, loaded machine). Bounded by the request
+        timeout; past it, the lag is left to the callers' handling of transient errors."""
+        deadline = time.monotonic() + self.opts["request_timeout_ms"] / 1000
+        pending: dict[str, str] = dict.fromkeys(names, "not asked yet")
+        while True:
+            try:
+                pending = self.admin.unready(sorted(pending))
+            except Exception as exc:  # (the creation stands; the check is best effort)
+                log.debug("kafka: readiness of %s not read: %s", sorted(pending),
+                          redact(str(exc))[:300])
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if pending:
+            log.warning("kafka: topics created but not usable after %d ms: %s",
+                        self.opts["request_timeout_ms"], pending)
 
     def _check_replication(self, topics: Collection[str], brokers: int) -> None:
         """Warn, once per topic, about existing topics with a single replica on a cluster

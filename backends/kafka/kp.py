@@ -227,6 +227,22 @@ class _Admin(Admin):
                 out[topic["name"]] = min(len(p.get("replica_nodes") or ()) for p in parts)
         return out
 
+    def unready(self, names: Collection[str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        found = {t.get("name"): t for t in self._call(self.a.describe_topics, list(names))}
+        for name in names:
+            topic = found.get(name)
+            if topic is None:
+                out[name] = "not in the metadata"
+            elif topic.get("error_code", 0) != 0:
+                out[name] = f"error {topic['error_code']}"
+            elif not topic.get("partitions"):
+                out[name] = "no partitions"
+            elif any(p.get("error_code", 0) != 0 or p.get("leader_id", -1) < 0
+                     for p in topic["partitions"]):
+                out[name] = "a partition without a leader"
+        return out
+
     def list_topics(self) -> set[str]:
         # Every name in a full metadata answer, a topic whose answer carries an error
         # included: a topic created a moment ago answers LEADER_NOT_AVAILABLE until its

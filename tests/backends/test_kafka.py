@@ -890,6 +890,9 @@ class _ClusterAdmin:
         self.described.append(list(names))
         return {n: self.existing[n] for n in names if n in self.existing}
 
+    def unready(self, names):
+        return {}  # (nothing is created: the "new" topics are simulated)
+
     def __getattr__(self, name):
         return getattr(self.real, name)
 
@@ -1209,3 +1212,41 @@ def test_a_receive_waiting_while_a_new_topic_is_assigned_gets_its_records(
         waiting.join(90)
         assert [d.body for d in got] == [b"x"]
         inner.ack([d.receipt for d in got])
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_created_topic_is_usable_when_ensure_topics_returns(url, client) -> None:
+    """CreateTopics returns before the broker answers for the topic (on KRaft, a moment
+    later: a reader made at once failed with UNKNOWN_PARTITION, conformance under load):
+    ``ensure_topics`` asks until every new topic has a leader per partition. ``unready``
+    names what it does not know, and never creates it."""
+    sep = "&" if "?" in url else "?"
+    token = os.urandom(4).hex()
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq:
+        driver = mq._driver
+        real = driver.admin
+        missing = f"ur-{token}-missing"
+        assert set(real.unready([missing])) == {missing}
+        assert missing not in real.list_topics(), "asking created the topic"
+
+        asked: list[dict[str, str]] = []
+
+        class Lagging:  # the broker's metadata lags the creation for three answers
+            def unready(self, names):
+                got = real.unready(names) if len(asked) >= 3 else dict.fromkeys(names, "lag")
+                asked.append(got)
+                return got
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        driver._admin_c = Lagging()
+        try:
+            fresh = f"ur-{token}-fresh"
+            driver.ensure_topics([fresh])
+        finally:
+            driver._admin_c = real
+        assert len(asked) >= 4 and asked[-1] == {}, asked
+        assert real.unready([fresh]) == {}
+        assert driver.ensure_topics([fresh]) is None and len(asked) >= 4  # known: not asked
+
