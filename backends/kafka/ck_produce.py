@@ -37,6 +37,9 @@ class _Lane:
         self.failures.append((err, msg))
 
 
+_TIMED_OUT = ck.KafkaError._MSG_TIMED_OUT
+
+
 def _id_of(headers: Sequence[tuple[str, Any]]) -> bytes | None:
     """A record's ``mq-id`` header value (to place a failure)."""
     for k, v in headers:
@@ -47,7 +50,13 @@ def _id_of(headers: Sequence[tuple[str, Any]]) -> bytes | None:
 
 class _Producer(Producer):
     """Sends through lanes (``_Lane``): a send takes an idle one or opens another, so
-    concurrent sends never wait for each other's records; up to ``_IDLE`` stay open."""
+    concurrent sends never wait for each other's records; up to ``_IDLE`` stay open.
+
+    A lane that timed a record out is closed, not reused. Its client may be cut off for
+    good: librdkafka 2.16 drops every broker it knows, bootstrap ones included, when a
+    stopping broker answers a metadata request with no brokers (confluentinc/librdkafka
+    #5301), and such a client never connects again; after a broker restart every later
+    publish through it timed out. The next send opens a new lane."""
 
     _IDLE = 4
 
@@ -74,9 +83,8 @@ class _Producer(Producer):
         self.parts: dict[str, tuple[set[int], float]] = {}
         first = _Lane(cfg)
         self.idle.append(first)
-        self.p = first.p  # for metadata
         try:  # librdkafka connects lazily: a bad address fails here, at open
-            self.p.list_topics(timeout=s.connect_timeout)
+            first.p.list_topics(timeout=s.connect_timeout)
         except Exception as exc:
             raise classify(exc) from exc
 
@@ -154,12 +162,14 @@ class _Producer(Producer):
         """Wait for the lane's records; place the failures librdkafka reported (by their
         ``mq-id`` header) and time out the rest when not all were acknowledged."""
         clean = False
+        failures: list[tuple[Any, Any]] = []
         try:
             left = lane.p.flush(max(0.0, deadline - time.monotonic()))
             clean = left == 0
         finally:
             failures, lane.failures = lane.failures, []
-            self._give(lane, clean)
+            timed_out = any(err.code() == _TIMED_OUT for err, _ in failures)
+            self._give(lane, clean and not timed_out)
         if failures:
             n = len(errors)
             rows = {(m if isinstance(m, bytes) else str(m).encode()): i
@@ -178,13 +188,18 @@ class _Producer(Producer):
         cached = self.parts.get(topic)
         if cached is not None and time.monotonic() - cached[1] < 30:
             return cached[0]
+        lane = self._take()  # (one that never timed out, or a new one)
+        answered = False
         try:
-            meta = self.p.list_topics(topic, timeout=min(5.0, self.s.request_timeout_ms / 1000))
+            meta = lane.p.list_topics(topic, timeout=min(5.0, self.s.request_timeout_ms / 1000))
+            answered = True
         except Exception as exc:
             if cached is not None:
                 self.parts[topic] = (cached[0], time.monotonic() - 25)  # again in 5 s
                 return cached[0]
             raise classify(exc) from exc
+        finally:
+            self._give(lane, answered)  # (unanswered: perhaps cut off, as above)
         found = meta.topics.get(topic)
         if found is None or found.error is not None or not found.partitions:
             return cached[0] if cached is not None else None

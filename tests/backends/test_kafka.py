@@ -1250,3 +1250,30 @@ def test_a_created_topic_is_usable_when_ensure_topics_returns(url, client) -> No
         assert real.unready([fresh]) == {}
         assert driver.ensure_topics([fresh]) is None and len(asked) >= 4  # known: not asked
 
+
+def test_a_producer_lane_that_timed_a_record_out_is_not_used_again(url) -> None:
+    """A lane whose client is cut off for good (librdkafka #5301 after a broker restart:
+    here, a client of a port nothing listens on) times its records out; it must be closed,
+    not handed the next send, which goes through a new lane and is delivered."""
+    pytest.importorskip("confluent_kafka")
+    from mqabstract.backends.kafka.ck_produce import _Lane, _Producer
+    from mqabstract.backends.kafka.client import Outgoing
+
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(f"{url}{sep}client=confluent") as mq:
+        driver = mq._driver
+        producer = driver.producer
+        assert isinstance(producer, _Producer)
+        topic = driver.topic(f"lane.{os.urandom(4).hex()}")
+        driver.ensure_topics([topic])
+        cut = _Lane({**producer.cfg, "bootstrap.servers": "127.0.0.1:1",
+                     "message.timeout.ms": 300})
+        with producer.lock:
+            stale, producer.idle = producer.idle, [cut]
+        for lane in stale:
+            lane.p.flush(1)
+        [failed] = producer.send([Outgoing(topic, b"x", None, [])], 5.0)
+        assert failed is not None and failed.kind is Kind.TIMEOUT, failed
+        assert cut not in producer.idle, "a lane that timed a record out was kept"
+        assert producer.send([Outgoing(topic, b"y", None, [])], 10.0) == [None]
+        assert producer.partitions(topic) == set(range(driver.partitions))
