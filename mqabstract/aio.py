@@ -57,7 +57,7 @@ from .consuming import (
 )
 from .dedupe import DedupeStore
 from .errors import Closed, Duplicate, InvalidArgument, MQError, PublishError, Timeout
-from .hooks import Publishing
+from .hooks import PUSHED, Publishing
 from .model import DeadLetter, Envelope, GroupSpec, GroupStats
 from .outgoing import _batch_publishing, _with
 from .requests import ReplyRoute
@@ -381,11 +381,18 @@ class _TaskConsume:
             # One slice at a time, never cancelled: a stop is seen within SLICE seconds,
             # and what a receive took is held (and handed back by the stop if need be).
             want, wait = step
+            error: MQError | None = None
+            pushed = PUSHED.set(True)  # middleware hears of it as a delivery
             try:
                 got = await asub.receive(want, min(wait, SLICE))
             except MQError as exc:
+                error = exc
+            finally:
+                PUSHED.reset(pushed)
+            if error is not None:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asub._stop.wait(), loop.failed(exc, self.sub.closed))
+                    await asyncio.wait_for(asub._stop.wait(),
+                                           loop.failed(error, self.sub.closed))
                 continue
             loop.got([m.message for m in got])
             self._start()

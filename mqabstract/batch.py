@@ -31,10 +31,15 @@ _OPEN = (None, "expired")
 
 
 class _Receiver(Source, Protocol):
-    """The subscription as a batch uses it: a message's ``Source`` that also receives and
-    hands messages back."""
+    """The subscription as a batch uses it: a message's ``Source`` that also receives
+    (``_take``: without telling middleware; ``_received`` tells it once for the batch)
+    and hands messages back."""
 
-    def receive(self, max_messages: int = 1, wait: float = 0.0) -> list[Message]: ...
+    def _take(self, max_messages: int, wait: float) -> list[Message]: ...
+
+    def _noticed(self) -> int: ...
+
+    def _received(self, messages: list[Message], started: int) -> None: ...
 
     def _release(self, messages: Iterable[Message]) -> None: ...
 
@@ -49,8 +54,10 @@ def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     A broker error from a later receive hands over what was collected (the next receive
     sees the error); any other error (an interrupt, a bug) hands it back for redelivery
     at once, since nobody gets the batch, and propagates. The first ``receive`` checks the
-    arguments (and that the subscription is open) before anything is received."""
-    got = sub.receive(max_messages, wait)
+    arguments (and that the subscription is open) before anything is received. Middleware
+    hears of one receive: the whole batch, from the start of the first."""
+    started = sub._noticed()
+    got = sub._take(max_messages, wait)
     if not got:
         return Batch(sub, got)
     monotonic = sub._broker._monotonic
@@ -59,7 +66,7 @@ def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     try:
         while len(got) < max_messages and earliest - monotonic() > half:
             try:
-                more = sub.receive(max_messages - len(got), 0.0)
+                more = sub._take(max_messages - len(got), 0.0)
             except MQError:  # what we hold is handed over; the next receive sees the error
                 break
             if not more:
@@ -69,6 +76,7 @@ def receive_batch(sub: _Receiver, max_messages: int, wait: float) -> Batch:
     except BaseException:
         sub._release(got)
         raise
+    sub._received(got, started)
     return Batch(sub, got)
 
 

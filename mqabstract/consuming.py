@@ -28,6 +28,7 @@ from .capabilities import Feature
 from .checks import check_count, check_seconds
 from .dedupe import DedupeStore
 from .errors import DecodeError, Duplicate, InvalidArgument, LeaseExpired, MQError
+from .hooks import PUSHED
 from .url import redact
 
 if TYPE_CHECKING:
@@ -482,12 +483,15 @@ class ThreadedConsume:
                 step = loop.next()
             if step is None:
                 return
+            pushed = PUSHED.set(True)  # middleware hears of it as a delivery
             try:
                 messages = self.sub.receive(*step)
             except MQError as exc:
                 if self._pause(loop.failed(exc, self.sub.closed)):
                     return
                 continue
+            finally:
+                PUSHED.reset(pushed)
             with cond:
                 loop.got(messages)
             self._start()

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,9 +26,13 @@ from .errors import MiddlewareError, MQError
 if TYPE_CHECKING:
     from .message import Message
 
-__all__ = ["NO_MIDDLEWARE", "Hooks", "Publishing"]
+__all__ = ["NO_MIDDLEWARE", "PUSHED", "Hooks", "Publishing"]
 
 log = logging.getLogger("mqabstract")
+
+#: True while a consume loop receives for its handlers: ``received`` notices then go to
+#: ``delivered`` (the application did not ask for that receive; push-based delivery).
+PUSHED: ContextVar[bool] = ContextVar("mqabstract_pushed", default=False)
 
 
 @dataclass(slots=True)
@@ -60,6 +65,8 @@ class Hooked(Protocol):
 
     def received(self, sub: Any, messages: Sequence[Message], started_ns: int) -> None: ...
 
+    def delivered(self, sub: Any, messages: Sequence[Message], started_ns: int) -> None: ...
+
     def settled(self, sub: Any, op: str, messages: Sequence[Message], started_ns: int,
                 error: MQError | None) -> None: ...
 
@@ -68,7 +75,8 @@ class Hooks:
     """The installed middleware, each hook's users precomputed so a broker without
     middleware (or without a given hook) pays one truth test."""
 
-    __slots__ = ("handlers", "items", "publishers", "receivers", "settlers")
+    __slots__ = ("_handling", "_publishing", "handlers", "items", "publishers", "receivers",
+                 "settlers")
 
     def __init__(self, items: Sequence[Hooked] = (), publishers: Sequence[Hooked] = (),
                  handlers: Sequence[Hooked] = (), receivers: Sequence[Hooked] = (),
@@ -78,6 +86,8 @@ class Hooks:
         self.handlers = tuple(handlers)
         self.receivers = tuple(receivers)
         self.settlers = tuple(settlers)
+        self._publishing = tuple(m.publishing for m in self.publishers)  # bound once
+        self._handling = tuple(m.handling for m in self.handlers)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -106,7 +116,7 @@ class Hooks:
 
     def publish(self, pub: Publishing, send: Callable[[], list[str]]) -> list[str]:
         """``send()`` inside every ``publishing`` scope."""
-        scopes = self._enter([m.publishing for m in self.publishers], pub)
+        scopes = self._enter(self._publishing, pub)
         try:
             pub.ids = send()
         except BaseException as exc:
@@ -118,7 +128,7 @@ class Hooks:
     async def apublish(self, pub: Publishing, send: Callable[[], Awaitable[list[str]]]
                        ) -> list[str]:
         """``await send()`` inside every ``publishing`` scope (entered on this task)."""
-        scopes = self._enter([m.publishing for m in self.publishers], pub)
+        scopes = self._enter(self._publishing, pub)
         try:
             pub.ids = await send()
         except BaseException as exc:
@@ -131,7 +141,7 @@ class Hooks:
         """``handler`` inside every ``handling`` scope (itself when there is none)."""
         if not self.handlers:
             return handler
-        hooks = [m.handling for m in self.handlers]
+        hooks = self._handling
 
         def handle(msg: Message) -> object:
             scopes = self._enter(hooks, msg)
@@ -147,7 +157,7 @@ class Hooks:
 
     async def ahandle(self, msg: Message, call: Callable[[], Awaitable[object]]) -> object:
         """``await call()`` inside every ``handling`` scope for ``msg``."""
-        scopes = self._enter([m.handling for m in self.handlers], msg)
+        scopes = self._enter(self._handling, msg)
         try:
             out = await call()
         except BaseException as exc:
@@ -161,9 +171,14 @@ class Hooks:
         return time.time_ns() if self.receivers or self.settlers else 0
 
     def received(self, sub: Any, messages: Sequence[Message], started: int) -> None:
+        """Tell of a receive: ``delivered`` when a consume loop made it (``PUSHED``)."""
+        pushed = PUSHED.get()
         for mw in self.receivers:
             try:
-                mw.received(sub, messages, started)
+                if pushed:
+                    mw.delivered(sub, messages, started)
+                else:
+                    mw.received(sub, messages, started)
             except Exception:
                 log.exception("middleware %s: received failed", type(mw).__name__)
 

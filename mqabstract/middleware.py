@@ -16,10 +16,12 @@ for the code it wraps.
   It sees the message, the handler's exception and its duration. A scope that raises on
   entry counts as a failure of the handler (the message is retried).
 - ``received(sub, messages, started_ns)`` and ``settled(sub, op, messages, started_ns,
-  error)``: notices after a receive returned messages and after settle calls (``op``:
-  ``ack``, ``nack``, ``dead_letter``, ``expired`` — the lease ran out first, nothing
-  reached the broker — or ``release``, handed back unfinished). They run on whichever
-  thread made the call.
+  error)``: notices after a receive returned messages (one for a whole ``receive_batch``)
+  and after settle calls (``op``: ``ack``, ``nack``, ``dead_letter``, ``expired`` — the
+  lease ran out first, nothing reached the broker — or ``release``, handed back
+  unfinished). They run on whichever thread made the call. A receive that a ``consume``
+  loop made for its handlers is told to ``delivered(sub, messages, started_ns)`` instead,
+  which calls ``received`` unless overridden.
 
 Exits and notices never change an outcome: what they raise is logged and dropped (a
 message that was sent must not look unsent, or a retry would duplicate it).
@@ -71,6 +73,12 @@ class Middleware:
         """``receive`` returned ``messages`` (never empty); it began at ``started_ns``
         (``time.time_ns()``)."""
 
+    def delivered(self, sub: Subscription, messages: Sequence[Message], started_ns: int
+                  ) -> None:
+        """A ``consume`` loop received ``messages`` for its handlers (push-based delivery:
+        the application asked for no receive). By default the same as ``received``."""
+        self.received(sub, messages, started_ns)
+
     def settled(self, sub: Subscription, op: str, messages: Sequence[Message],
                 started_ns: int, error: MQError | None) -> None:
         """A settle call ended (``op`` in ``OPS``), failing with ``error`` or not."""
@@ -102,5 +110,6 @@ class Chain(Hooks):
             items,
             publishers=[m for m in items if _overrides(m, "publishing")],
             handlers=[m for m in items if _overrides(m, "handling")],
-            receivers=[m for m in items if _overrides(m, "received")],
+            receivers=[m for m in items
+                       if _overrides(m, "received") or _overrides(m, "delivered")],
             settlers=[m for m in items if _overrides(m, "settled")])

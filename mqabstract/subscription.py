@@ -157,12 +157,29 @@ class Subscription:
         Returns an empty list when nothing arrived in time. Messages that have already been
         delivered ``max_attempts`` times are moved to the dead-letter store, not returned.
         """
+        started = self._noticed()
+        out = self._take(max_messages, wait)
+        if out:
+            self._received(out, started)
+        return out
+
+    def _noticed(self) -> int:
+        """The start time to give ``_received`` (0 when no middleware listens)."""
+        return self._broker._chain.now()
+
+    def _received(self, messages: list[Message], started: int) -> None:
+        """Tell middleware of messages a receive (or a whole ``receive_batch``) handed out."""
+        chain = self._broker._chain
+        if chain.receivers:
+            chain.received(self, messages, started)
+
+    def _take(self, max_messages: int, wait: float) -> list[Message]:
+        """``receive`` without the middleware's notice."""
         self._check_open()
         _check_count(max_messages, "max_messages")
         wait = _check_seconds(wait, "wait", math.inf)
         caps = self._broker.capabilities
         chain = self._broker._chain
-        started = chain.now()
         deadline = time.monotonic() + wait
         out: list[Message] = []
         spec = self.spec
@@ -266,8 +283,6 @@ class Subscription:
         if out:
             with self._lock:
                 self._unsettled.update(out)
-            if chain.receivers:
-                chain.received(self, out, started)
         return out
 
     def receive_batch(self, max_messages: int = 100, wait: float = 0.0) -> Batch:

@@ -328,3 +328,61 @@ def test_span_exception_events_carry_no_chained_secret() -> None:
     assert event.attributes["exception.type"] == "ValueError"
     assert "hunter2" not in repr([(s.name, dict(s.attributes), [dict(e.attributes)
                                    for e in s.events]) for s in spans.get_finished_spans()])
+
+
+class Deliveries(Middleware):
+    """Tells the receives the application asked for from those of a consume loop."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, int]] = []
+
+    def received(self, sub: mqabstract.Subscription, messages: Sequence[mqabstract.Message],
+                 started_ns: int) -> None:
+        self.got.append(("received", len(messages)))
+
+    def delivered(self, sub: mqabstract.Subscription, messages: Sequence[mqabstract.Message],
+                  started_ns: int) -> None:
+        self.got.append(("delivered", len(messages)))
+
+
+def test_consume_receives_are_deliveries_and_a_receive_batch_is_one_notice() -> None:
+    mw, log = Deliveries(), []
+    with mqabstract.connect(memory_url(), middleware=[mw, Recorder("r", log)]) as mq:
+        sub = mq.subscribe("g", "t.#")
+        mq.publish_columns("t.1", [b"x"] * 1500)
+        batch = sub.receive_batch(1500, 1)  # two driver receives: 1,000 at most each
+        assert len(batch) == 1500
+        batch.ack()
+        mq.publish_batch([("t.1", b"a"), ("t.1", b"b")])
+        assert sub.consume(lambda m: None, max_messages=2, idle_timeout=2).acked == 2
+        mq.publish("t.1", b"c")
+        [msg] = sub.receive(1, 1)
+        msg.ack()
+    assert mw.got[0] == ("received", 1500) and mw.got[-1] == ("received", 1), mw.got
+    assert {kind for kind, _ in mw.got[1:-1]} == {"delivered"}, mw.got
+    assert sum(n for _, n in mw.got[1:-1]) == 2
+    # a middleware that only has ``received`` hears of the consume loop's receives there
+    told = [e[2] for e in log if e[1] == "received"]
+    assert told[0] == 1500 and told[-1] == 1 and sum(told[1:-1]) == 2, told
+
+
+def test_asyncio_consume_receives_are_deliveries() -> None:
+    mw = Deliveries()
+
+    async def main() -> None:
+        async with await aio.connect(memory_url(), middleware=[mw]) as mq:
+            sub = await mq.subscribe("g", "t.#")
+            await mq.publish_columns("t.1", [b"x"] * 3)
+
+            async def handler(msg: aio.AsyncMessage) -> None:
+                pass
+
+            assert (await sub.consume(handler, max_messages=3, idle_timeout=2)).acked == 3
+            await mq.publish_columns("t.1", [b"y"] * 2)
+            batch = await sub.receive_batch(2, 1)
+            await batch.ack()
+
+    asyncio.run(main())
+    assert mw.got[-1] == ("received", 2), mw.got
+    assert {kind for kind, _ in mw.got[:-1]} == {"delivered"}, mw.got
+    assert sum(n for _, n in mw.got[:-1]) == 3
