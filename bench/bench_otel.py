@@ -20,8 +20,10 @@ for all, as one ``publish_batch`` gives them), identical in the plain and the ot
 Printed per operation: the plain and otel rates (wall clock), and the microseconds the
 middleware adds per message — otel minus plain, per message, paired round by round, the
 median — in CPU time of the process (every thread: the span processor's too) and in wall
-time. On a loaded machine the CPU figure is the steadier one. ``--sample 0.1`` samples a
-tenth of the traces (consumers follow the publisher's decision).
+time. On a loaded machine the CPU figure is the steadier one. Before and after, the cost
+of the SDK alone (a span, a histogram point) is printed: the floor of any operation that
+makes one of each. ``--sample 0.1`` samples a tenth of the traces (consumers follow the
+publisher's decision).
 """
 
 from __future__ import annotations
@@ -164,6 +166,30 @@ def receive_batch(url: str, n: int, otel: OpenTelemetry | None, contexts: str = 
         return timed
 
 
+def sdk_floor(sample: float, n: int = 5_000) -> str:
+    """What the SDK alone costs here, in CPU µs: a span like a send span (four
+    attributes) started and ended, a histogram point with three attributes — the part of
+    the added cost that no middleware can cut while it makes them per message."""
+    otel = _middleware(sample)
+    attrs = {"messaging.system": "mqabstract.memory", "messaging.operation.name": "send",
+             "messaging.destination.name": "bo.floor.a"}
+    span_attrs = {**attrs, "messaging.operation.type": "send"}
+    tracer, histogram = otel.tracer, otel.duration
+
+    def each(fn: Callable[[], object]) -> float:
+        runs = []
+        for _ in range(3):
+            cpu = time.process_time()
+            for _ in range(n):
+                fn()
+            runs.append((time.process_time() - cpu) / n * 1e6)
+        return statistics.median(runs)
+
+    span = each(lambda: tracer.start_span("send bo.floor.a", attributes=span_attrs).end())
+    point = each(lambda: histogram.record(0.001, attrs))
+    return f"SDK alone: a span {span:.1f} µs CPU, a histogram point {point:.1f} µs CPU"
+
+
 def compare(name: str, fn: Callable[[OpenTelemetry | None], Run], rounds: int,
             otel: OpenTelemetry) -> None:
     plain: list[Run] = []
@@ -208,12 +234,14 @@ def main() -> None:
     otel = _middleware(args.sample)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"sample {args.sample:g}, contexts {args.contexts}", flush=True)
+    print(sdk_floor(args.sample), flush=True)
     for url in urls:
         print(mqabstract.BrokerURL.parse(url).redacted(), flush=True)
         for name in args.op or OPS:
             n = args.single_n if name in ("publish", "consume") else args.n
             compare(name, functools.partial(OPS[name], url, n, contexts=args.contexts,
                                             sample=args.sample), args.rounds, otel)
+    print(sdk_floor(args.sample), flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
 
