@@ -76,41 +76,41 @@ class _Admin(Admin):
             raise classify(exc) from exc
         return len(_result(future, self.timeout + 5).nodes)
 
-    def replication(self, names: Collection[str]) -> dict[str, int]:
-        # DescribeTopics (not a metadata request naming the topic: that may create it).
+    def _describe(self, names: Collection[str]) -> dict[str, Any]:
+        """DescribeTopics (not a metadata request naming a topic: that may create it): per
+        name, its description, or the ``ClientError`` it was answered with."""
         try:
             futures = self.a.describe_topics(ck.TopicCollection(list(names)),
                                              request_timeout=self.timeout)
         except Exception as exc:
             raise classify(exc) from exc
-        out: dict[str, int] = {}
+        out: dict[str, Any] = {}
         for name, future in futures.items():
             try:
-                desc = _result(future, self.timeout + 5)
+                out[name] = _result(future, self.timeout + 5)
             except ClientError as err:
-                if err.native == "UNKNOWN_TOPIC_OR_PART":
+                out[name] = err
+        return out
+
+    def replication(self, names: Collection[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, desc in self._describe(names).items():
+            if isinstance(desc, ClientError):
+                if desc.native == "UNKNOWN_TOPIC_OR_PART":
                     continue
-                raise
+                raise desc
             if desc.partitions:
                 out[name] = min(len(p.replicas) for p in desc.partitions)
         return out
 
     def unready(self, names: Collection[str]) -> dict[str, str]:
-        try:
-            futures = self.a.describe_topics(ck.TopicCollection(list(names)),
-                                             request_timeout=self.timeout)
-        except Exception as exc:
-            raise classify(exc) from exc
         out: dict[str, str] = {}
-        for name, future in futures.items():
-            try:
-                desc = _result(future, self.timeout + 5)
-            except ClientError as err:
-                if err.native != "UNKNOWN_TOPIC_OR_PART" and err.kind is not Kind.TRANSIENT:
-                    raise
-                out[name] = err.native or str(err)
-                continue
-            if not desc.partitions:
+        for name, desc in self._describe(names).items():
+            if isinstance(desc, ClientError):
+                if desc.native != "UNKNOWN_TOPIC_OR_PART" and desc.kind is not Kind.TRANSIENT:
+                    raise desc
+                out[name] = desc.native or str(desc)
+            elif not desc.partitions:
                 out[name] = "no partitions"
             elif any(p.leader is None or p.leader.id < 0 for p in desc.partitions):
                 out[name] = "a partition without a leader"
