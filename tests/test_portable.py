@@ -326,12 +326,17 @@ def test_ack_many_marks_only_the_receipts_the_driver_lost(mq: mqabstract.Broker)
         lost.ack()
 
 
-def test_failed_ack_leaves_the_message_unsettled(mq: mqabstract.Broker) -> None:
-    """An ack the driver failed (not a lost lease) can be tried again."""
+def _held(mq: mqabstract.Broker) -> tuple[mqabstract.Subscription, mqabstract.Message, Any]:
+    """A subscription holding one message, and its driver subscription (to break)."""
     sub = mq.subscribe("g", "a.#", lease=30)
     mq.publish("a.b", b"x")
     [m] = sub.receive(1, 0)
-    inner = sub._inner  # type: ignore[attr-defined]
+    return sub, m, sub._inner  # type: ignore[attr-defined]
+
+
+def test_failed_ack_leaves_the_message_unsettled(mq: mqabstract.Broker) -> None:
+    """An ack the driver failed (not a lost lease) can be tried again."""
+    _, m, inner = _held(mq)
     ack = inner.ack
 
     def down(receipts: list[object]) -> None:
@@ -351,10 +356,7 @@ def test_a_stray_driver_error_on_ack_is_translated_and_leaves_it_unsettled(
         mq: mqabstract.Broker, single: bool) -> None:
     """``Message.ack`` (its own short path) and ``ack_many`` alike: a driver's stray
     exception comes out as an ``MQError`` and the message can be acked again."""
-    sub = mq.subscribe("g", "a.#", lease=30)
-    mq.publish("a.b", b"x")
-    [m] = sub.receive(1, 0)
-    inner = sub._inner  # type: ignore[attr-defined]
+    sub, m, inner = _held(mq)
     ack = inner.ack
 
     def broken(receipts: list[object]) -> None:
