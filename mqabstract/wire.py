@@ -277,10 +277,16 @@ def received(pairs: Iterable[tuple[str, Any]], skip: Container[str] = (),
              ) -> tuple[dict[str, str], Fields]:
     """``(headers, read(meta))`` for ``headers, meta = split(pairs, skip)``: a consumer
     decodes every record's headers (the hot path), and a record published through
-    mqabstract carries two and no more (``mq-published-at``, then ``mq-id``, as bytes:
-    Kafka's clients), read here straight; anything else, a value that does not parse
+    mqabstract on Kafka carries ``mq-id`` alone (its publish time is the record's
+    timestamp), or, as written before, ``mq-published-at`` then ``mq-id`` (as bytes:
+    Kafka's clients): read here straight; anything else, a value that does not parse
     too, goes through :func:`split` and :func:`read`."""
-    if not skip and isinstance(pairs, list) and len(pairs) == 2:
+    if not skip and isinstance(pairs, list) and len(pairs) == 1:
+        (k0, mid), = pairs
+        if k0 == ID and mid.__class__ is bytes:
+            return {}, _new(Fields, (mid.decode("utf-8", "replace") or None, 0, None, None,
+                                     None, None, 0))
+    elif not skip and isinstance(pairs, list) and len(pairs) == 2:
         (k0, at), (k1, mid) = pairs
         if (k0 == PUBLISHED_AT and k1 == ID and at.__class__ is bytes
                 and mid.__class__ is bytes):

@@ -144,6 +144,14 @@ def test_a_malformed_field_reads_as_absent(bad: bytes | None) -> None:
     [(wire.ID, b"m"), (wire.PUBLISHED_AT, b"1.5")],
     [(wire.PUBLISHED_AT, "1.5"), (wire.ID, "m")],
     [(wire.PUBLISHED_AT, b"1.5"), ("u", b"m")],
+    # the one header a record published on Kafka carries now, and near misses
+    [(wire.ID, b"2712df98629e")],
+    [(wire.ID, b"")],
+    [(wire.ID, b"\xff")],
+    [(wire.ID, "str")],
+    [(wire.ID, None)],
+    [("u", b"m")],
+    [(wire.PUBLISHED_AT, b"1.5")],
 ])
 def test_received_is_split_then_read(pairs: list[tuple[str, object]]) -> None:
     """The consumer's one-pass decoding gives what the two steps give, on every input."""

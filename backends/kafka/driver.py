@@ -201,24 +201,20 @@ class KafkaDriver(KafkaCluster, Driver):
     # -- publishing ----------------------------------------------------------------------------
     def publish(self, envelopes: Sequence[Envelope]) -> None:
         """One record per envelope; the per-record work is what the wire schema needs (a
-        batch usually shares its topic and publish time: mapped and encoded once). The
-        headers are ``wire.encode``'s, built here as bytes pairs with the shared values
-        cached (through ``wire.encode`` a batch publishes measurably slower)."""
+        batch usually shares its topic: mapped once). The headers are ``wire.encode``'s
+        without ``mq-published-at``, built here as bytes pairs (through ``wire.encode`` a
+        batch publishes measurably slower): the publish time is the record's timestamp
+        (ms), Kafka's own field for it (docs/decisions.md, "Kafka's wire")."""
         self._check()
         names: dict[str, str] = {}
-        stamps: dict[float, bytes] = {}
         records = []
-        ID, AT = wire.ID, wire.PUBLISHED_AT
+        ID = wire.ID
         for env in envelopes:
             name = names.get(env.topic)
             if name is None:
                 name = names[env.topic] = self.topic(env.topic)
-            stamp = stamps.get(env.published_at)
-            if stamp is None:
-                stamp = stamps[env.published_at] = wire.value(env.published_at).encode()
             headers = [(k, v.encode()) for k, v in env.headers.items()] if env.headers else []
             headers.append((ID, env.id.encode()))
-            headers.append((AT, stamp))
             if env.deliver_at is not None:
                 headers.append((wire.DELIVER_AT, wire.value(env.deliver_at).encode()))
             if name.startswith(HASHED):
@@ -231,12 +227,12 @@ class KafkaDriver(KafkaCluster, Driver):
 
     def publish_columns(self, columns: Columns) -> None:
         """The column path: the wire-schema headers every row shares are built once, then
-        each row is one ``produce`` (librdkafka) with its id header added."""
+        each row is one ``produce`` (librdkafka) with its id header added; the publish
+        time is the records' timestamp, as in ``publish``."""
         self._check()
         name = self.topic(columns.topic)
         self.ensure_topics({name})
         base = [(k, v.encode()) for k, v in columns.headers.items()]
-        base.append((wire.PUBLISHED_AT, wire.value(columns.published_at).encode()))
         if name.startswith(HASHED):
             base.append((wire.TOPIC, columns.topic.encode()))
         rows = None if columns.row_headers is None else [
