@@ -367,14 +367,19 @@ class Subscription:
                 self._gone((msg,))
             raise
         except BaseException as exc:
-            # Not acked (as far as anyone knows): unsettled again (as in ack_many).
-            with self._lock:
-                msg._state = None
-                self._unsettled.add(msg)
+            self._not_acked((msg,))
             if isinstance(exc, Exception) and not isinstance(exc, MQError):
                 # (the broker's guard, written out: this is the per-message path)
                 raise _translate(exc, self._broker._guard.backend) from exc
             raise
+
+    def _not_acked(self, messages: Sequence[Message]) -> None:
+        """An ack the driver failed (as far as anyone knows, not done): the messages are
+        unsettled again; the caller may retry or let the lease run out."""
+        with self._lock:
+            for msg in messages:
+                msg._state = None
+                self._unsettled.add(msg)
 
     def ack_many(self, messages: Iterable[Message]) -> None:
         """Ack messages of this subscription with one driver call: what ``Message.ack`` does
@@ -433,12 +438,7 @@ class Subscription:
                     chain.settled(self, "ack", done, chain.now())
                 raise
             except BaseException:
-                # Not acked (as far as anyone knows): unsettled again, the caller may retry
-                # or let the lease run out.
-                with self._lock:
-                    for msg in todo:
-                        msg._state = None
-                        self._unsettled.add(msg)
+                self._not_acked(todo)
                 raise
             if self._gatekeeper is not None:
                 self._ungate(todo, None)

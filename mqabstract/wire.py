@@ -281,12 +281,13 @@ def received(pairs: Iterable[tuple[str, Any]], skip: Container[str] = (),
     timestamp), or, as written before, ``mq-published-at`` then ``mq-id`` (as bytes:
     Kafka's clients): read here straight; anything else, a value that does not parse
     too, goes through :func:`split` and :func:`read`."""
-    if not skip and isinstance(pairs, list) and len(pairs) == 1:
+    n = len(pairs) if not skip and isinstance(pairs, list) else 0
+    if n == 1:
         (k0, mid), = pairs
         if k0 == ID and mid.__class__ is bytes:
             return {}, _new(Fields, (mid.decode("utf-8", "replace") or None, 0, None, None,
                                      None, None, 0))
-    elif not skip and isinstance(pairs, list) and len(pairs) == 2:
+    elif n == 2:
         (k0, at), (k1, mid) = pairs
         if (k0 == PUBLISHED_AT and k1 == ID and at.__class__ is bytes
                 and mid.__class__ is bytes):
