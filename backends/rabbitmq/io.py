@@ -205,6 +205,34 @@ def _noop() -> None:
     return None
 
 
+_CHUNK = 1 << 18  # bytes per send at most: a partial send re-buffers the rest as a copy
+
+
+def _coalesce(conn: pika.BlockingConnection) -> None:
+    """Join the frames pika buffered for sending into as few chunks as ``_CHUNK`` allows.
+
+    pika writes each AMQP frame with its own ``send``: three per message (method, header,
+    body), each a system call and a TCP segment the broker reads on its own. Joined, a lone
+    publish costs one ``send`` and a batch a few. Reads the transport's buffer in place (a
+    pika internal, as ``_check_idle`` reads its socket); left alone when it is not there."""
+    bufs = getattr(getattr(conn._impl, "_transport", None), "_tx_buffers", None)
+    if not isinstance(bufs, deque) or len(bufs) < 2:
+        return
+    chunks: list[bytes] = []
+    part: list[bytes] = []
+    size = 0
+    for b in bufs:
+        part.append(b)
+        size += len(b)
+        if size >= _CHUNK:
+            chunks.append(b"".join(part))
+            part, size = [], 0
+    if part:
+        chunks.append(b"".join(part))
+    bufs.clear()
+    bufs.extend(chunks)
+
+
 def _merge(result: _Pending, pend: _Pending, todo: list[int]) -> list[int]:
     """Fold one attempt's outcome into ``result``; return the indexes to send again: those
     never sent. Those in doubt are not sent again (the broker may have them: a second copy
@@ -349,6 +377,7 @@ class _Publisher:
                     batch = [items[i] for i in todo]
                     self.confirms.send(self._publish_fn(len(batch)), batch, pend,
                                        self._usable)
+                    _coalesce(self.conn)
                     self._wait(pend, deadline)
                 except (*_CONN_ERRORS, pex.AMQPError) as exc:
                     self._drop(exc)  # settles everything unconfirmed as lost

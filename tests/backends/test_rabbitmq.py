@@ -869,3 +869,29 @@ def test_a_publish_whose_confirm_was_lost_is_not_sent_twice(
         assert error.retryable and "may have been published" in str(error), error
     finally:
         mq.delete_group(group)
+
+
+@pytest.mark.parametrize("n", [1, 200])
+def test_a_publish_leaves_in_as_few_sends_as_its_bytes_need(
+        mq: mqabstract.Broker, token: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pika writes each AMQP frame with a send of its own (method, header, body: three per
+    message). The publisher joins what one publish buffered first: one chunk (one send,
+    unless the socket takes it in parts) for a lone message, one per 256 KiB for a batch.
+    Reads the live connection's send buffer when the publish starts waiting."""
+    mq.publish(f"{token}.warm", b"w")  # the publisher's connection is open from here on
+    pub: Any = mq._driver._pub  # type: ignore[attr-defined]
+    real_wait = type(pub)._wait
+    seen: list[list[int]] = []
+
+    def wait(self: Any, pend: Any, deadline: float) -> None:
+        seen.append([len(b) for b in self.conn._impl._transport._tx_buffers])
+        real_wait(self, pend, deadline)
+
+    monkeypatch.setattr(type(pub), "_wait", wait)
+    if n == 1:
+        mq.publish(f"{token}.one", b"x" * 100)
+    else:
+        mq.publish_batch([(f"{token}.many", b"x" * 100)] * n)
+    [chunks] = seen
+    assert sum(chunks) > 100 * n
+    assert len(chunks) == 1 + sum(chunks) // (1 << 18), chunks
