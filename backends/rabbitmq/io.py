@@ -18,6 +18,7 @@ import pika
 import pika.exceptions as pex
 from pika import spec as amqp
 from pika.adapters.select_connection import IOLoop
+from pika.adapters.utils.io_services_utils import _AsyncPlaintextTransport as _PLAIN
 
 from mqabstract.errors import (
     ConnectionFailed,
@@ -208,29 +209,37 @@ def _noop() -> None:
 _CHUNK = 1 << 18  # bytes per send at most: a partial send re-buffers the rest as a copy
 
 
-def _coalesce(conn: pika.BlockingConnection) -> None:
-    """Join the frames pika buffered for sending into as few chunks as ``_CHUNK`` allows.
+def _send_now(conn: pika.BlockingConnection) -> None:
+    """Send what one publish buffered, joined into as few chunks as ``_CHUNK`` allows.
 
     pika writes each AMQP frame with its own ``send``: three per message (method, header,
-    body), each a system call and a TCP segment the broker reads on its own. Joined, a lone
-    publish costs one ``send`` and a batch a few. Reads the transport's buffer in place (a
-    pika internal, as ``_check_idle`` reads its socket); left alone when it is not there."""
-    bufs = getattr(getattr(conn._impl, "_transport", None), "_tx_buffers", None)
-    if not isinstance(bufs, deque) or len(bufs) < 2:
+    body), each a system call and a TCP segment the broker reads on its own; and it sends
+    only once its I/O loop saw the socket writable, one more poll per publish. Joined, a
+    lone publish is one ``send``, a batch a few; on a plain TCP connection they are written
+    here at once, through the transport's own writable handler (which removes the write
+    watch once the buffer is empty, and aborts the connection on an error as the loop
+    would). Reads pika internals in place, as ``_check_idle`` reads its socket; a
+    transport without them is left to pika's loop."""
+    transport: Any = getattr(conn._impl, "_transport", None)
+    bufs = getattr(transport, "_tx_buffers", None)
+    if not isinstance(bufs, deque) or not bufs:
         return
-    chunks: list[bytes] = []
-    part: list[bytes] = []
-    size = 0
-    for b in bufs:
-        part.append(b)
-        size += len(b)
-        if size >= _CHUNK:
+    if len(bufs) > 1:
+        chunks: list[bytes] = []
+        part: list[bytes] = []
+        size = 0
+        for b in bufs:
+            part.append(b)
+            size += len(b)
+            if size >= _CHUNK:
+                chunks.append(b"".join(part))
+                part, size = [], 0
+        if part:
             chunks.append(b"".join(part))
-            part, size = [], 0
-    if part:
-        chunks.append(b"".join(part))
-    bufs.clear()
-    bufs.extend(chunks)
+        bufs.clear()
+        bufs.extend(chunks)
+    if type(transport) is _PLAIN:
+        transport._on_socket_writable()
 
 
 def _merge(result: _Pending, pend: _Pending, todo: list[int]) -> list[int]:
@@ -377,7 +386,7 @@ class _Publisher:
                     batch = [items[i] for i in todo]
                     self.confirms.send(self._publish_fn(len(batch)), batch, pend,
                                        self._usable)
-                    _coalesce(self.conn)
+                    _send_now(self.conn)
                     self._wait(pend, deadline)
                 except (*_CONN_ERRORS, pex.AMQPError) as exc:
                     self._drop(exc)  # settles everything unconfirmed as lost

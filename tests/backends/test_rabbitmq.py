@@ -873,25 +873,31 @@ def test_a_publish_whose_confirm_was_lost_is_not_sent_twice(
 
 @pytest.mark.parametrize("n", [1, 200])
 def test_a_publish_leaves_in_as_few_sends_as_its_bytes_need(
-        mq: mqabstract.Broker, token: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        mq: mqabstract.Broker, token: str, n: int) -> None:
     """pika writes each AMQP frame with a send of its own (method, header, body: three per
-    message). The publisher joins what one publish buffered first: one chunk (one send,
-    unless the socket takes it in parts) for a lone message, one per 256 KiB for a batch.
-    Reads the live connection's send buffer when the publish starts waiting."""
+    message). The publisher joins what one publish buffered and writes it at once: one
+    send for a lone message, one per 256 KiB for a batch (a send the socket took only in
+    part is continued by the next, not counted). Counts the sends on the live connection."""
     mq.publish(f"{token}.warm", b"w")  # the publisher's connection is open from here on
-    pub: Any = mq._driver._pub  # type: ignore[attr-defined]
-    real_wait = type(pub)._wait
-    seen: list[list[int]] = []
+    transport: Any = mq._driver._pub.conn._impl._transport  # type: ignore[attr-defined]
+    real = transport._sigint_safe_send
+    sends: list[tuple[int, int]] = []  # (bytes offered, bytes taken)
 
-    def wait(self: Any, pend: Any, deadline: float) -> None:
-        seen.append([len(b) for b in self.conn._impl._transport._tx_buffers])
-        real_wait(self, pend, deadline)
+    def send(sock: Any, data: bytes) -> int:
+        taken: int = real(sock, data)
+        sends.append((len(data), taken))
+        return taken
 
-    monkeypatch.setattr(type(pub), "_wait", wait)
-    if n == 1:
-        mq.publish(f"{token}.one", b"x" * 100)
-    else:
-        mq.publish_batch([(f"{token}.many", b"x" * 100)] * n)
-    [chunks] = seen
-    assert sum(chunks) > 100 * n
-    assert len(chunks) == 1 + sum(chunks) // (1 << 18), chunks
+    transport._sigint_safe_send = send
+    try:
+        if n == 1:
+            mq.publish(f"{token}.one", b"x" * 100)
+        else:
+            mq.publish_batch([(f"{token}.many", b"x" * 100)] * n)
+    finally:
+        del transport._sigint_safe_send
+    chunks = [offered for (offered, _), before in zip(sends, [(0, 0), *sends[:-1]], strict=True)
+              if before[0] == before[1]]  # not the rest of a partial send
+    total = sum(chunks)
+    assert total > 100 * n
+    assert len(chunks) == 1 + total // (1 << 18), sends
