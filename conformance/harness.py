@@ -15,6 +15,10 @@ from mqabstract import Broker, Feature, Message, Subscription
 
 log = logging.getLogger("mqabstract.conformance")
 
+#: What a release-margin bound allows beyond the declared margin: the drain's ack of the
+#: returned message and this process's own scheduling, not the backend's release.
+RELEASE_SLACK = 0.5
+
 
 class Ctx:
     """What a scenario needs: the broker, unique names, timing, and cleanup at teardown."""

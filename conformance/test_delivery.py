@@ -17,11 +17,7 @@ import pytest
 import mqabstract
 from mqabstract import Backoff, Feature
 
-from .harness import Ctx
-
-#: What the release-margin check allows beyond the declared margin: the drain's ack of the
-#: returned message and this process's own scheduling, not the backend's release.
-RELEASE_SLACK = 0.5
+from .harness import RELEASE_SLACK, Ctx
 
 
 def test_ack_removes_message(mq_ctx: Ctx) -> None:

@@ -1285,3 +1285,35 @@ def test_a_producer_lane_that_timed_a_record_out_is_not_used_again(url) -> None:
         assert cut not in producer.idle, "a lane that timed a record out was kept"
         assert producer.send([Outgoing(topic, b"y", None, [])], 10.0) == [None]
         assert producer.partitions(topic) == set(range(driver.partitions))
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_dead_letter_by_lease_expiry_waits_out_a_slow_redelivery(url, client,
+                                                                 monkeypatch) -> None:
+    """The conformance scenario of a dead letter by lease expiry, with the expired lease's
+    re-publish (fence + transaction) slowed to quiet + 0.5 s, as on a loaded machine: the
+    redelivery the portable layer dead-letters comes after the scenario's lease + quiet,
+    still well within ``release_margin``. Before, the scenario read ``dead_letters()``
+    after lease + quiet, found it empty and failed (session 24, kafka-python)."""
+    from mqabstract.backends.kafka.subscription import KafkaSubscription
+    from mqabstract.conformance.harness import Ctx
+    from mqabstract.conformance.test_dead_letters import (
+        test_dead_letter_after_max_attempts_by_lease_expiry as scenario,
+    )
+
+    move = KafkaSubscription._move
+
+    def slow_move(self: Any, expired: list[Any], handoff: list[Any], epoch: int) -> None:
+        if expired:
+            time.sleep(ctx.quiet + 0.5)
+        move(self, expired, handoff, epoch)
+
+    monkeypatch.setattr(KafkaSubscription, "_move", slow_move)
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq:
+        ctx = Ctx(url, mq)
+        assert ctx.quiet + 0.5 < mq.capabilities.release_margin
+        try:
+            scenario(ctx)
+        finally:
+            ctx.cleanup()
