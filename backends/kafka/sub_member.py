@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from mqabstract.errors import LeaseExpired, MQError, Timeout
 from mqabstract.url import redact
 
-from .client import TP, ClientError, Fetched, Kind, Outgoing, Pending
+from .client import TP, ClientError, Fetched, Kind, Mover, Outgoing, Pending
 from .errors import Patience, native
 from .names import slot
 from .state import Checkpoint, Part, Rec
@@ -543,9 +543,7 @@ class GroupMember(SubscriptionState):
                         raise LeaseExpired(f"partition {tp} of {self.spec.name!r} not read")
                     offsets[tp] = (point, ckpt)
             try:
-                if self.mover is None:
-                    self.mover = self.d.client.mover(self.d.settings, self.txn_id)
-                self.mover.move([out for _, out in moves], offsets, meta,
+                self._mover().move([out for _, out in moves], offsets, meta,
                                 max(0.05, end - time.monotonic()))
             except ClientError as exc:
                 if exc.kind is Kind.FATAL and not exc.doubt:
@@ -583,7 +581,30 @@ class GroupMember(SubscriptionState):
             raise _Unknown(f"re-publish of {self.spec.name!r}: outcome unknown") from exc
         return all(found.get(tp) == sent for tp, sent in offsets.items())
 
+    def _mover(self) -> Mover:
+        """This consumer's transactional producer, made on first use (or by ``warm_mover``;
+        two with one transactional.id would fence each other: made under ``mover_lock``)."""
+        with self.mover_lock:
+            if self.mover is None:
+                self.mover = self.d.client.mover(self.d.settings, self.txn_id)
+            mover: Mover = self.mover
+            return mover
+
+    def warm_mover(self) -> None:
+        """Make the transactional producer ahead of the first re-publish (a thread started
+        at subscribe, beside the join): its ``init_transactions`` took 0.06-0.5 s on an idle
+        broker, which the first nack, or the first expired lease, paid inside its lease.
+        On failure it is made at first use, as before."""
+        try:
+            with self.mover_lock:
+                if self.mover is None and not self.closed:
+                    self.mover = self.d.client.mover(self.d.settings, self.txn_id)
+        except Exception as exc:  # (a thread's end: logged, never raised)
+            log.debug("kafka: transactional producer of %s not made ahead: %s",
+                      self.spec.name, exc)
+
     def _drop_mover(self) -> None:
-        mover, self.mover = self.mover, None
+        with self.mover_lock:
+            mover, self.mover = self.mover, None
         if mover is not None:
             mover.close(0.5)

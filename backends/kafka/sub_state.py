@@ -63,6 +63,7 @@ class SubscriptionState:
         # Copies and the checkpoints that settle their originals are written in one
         # transaction (``_transfer``), on a transactional producer of this consumer.
         self.mover: Any = None
+        self.mover_lock = threading.Lock()  # making or dropping ``mover``: one at a time
         self.txn_id = f"mqa..{spec.name}..{uuid.uuid4().hex}"
         self.last_sent: Pending | None = None  # the latest offset commit sent
         self.ckpt_limit = CKPT_RANGES  # halved if the broker keeps less commit metadata

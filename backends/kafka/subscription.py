@@ -64,6 +64,8 @@ class KafkaSubscription(ApplicationSide, DataReader):
             target=self._run_data, name=f"mqa-kafka-d-{spec.name}", daemon=True)
         self.group_thread.start()
         self.data_thread.start()
+        threading.Thread(target=self.warm_mover, name=f"mqa-kafka-txn-{spec.name}",
+                         daemon=True).start()
         # Wait for the first assignment so that consumers subscribed one after another
         # settle before they receive (fewer rebalances that take in-flight messages away).
         self.assigned_once.wait(opts["session_timeout_ms"] / 1000 * 3 + 5)

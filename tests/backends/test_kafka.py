@@ -1317,3 +1317,25 @@ def test_dead_letter_by_lease_expiry_waits_out_a_slow_redelivery(url, client,
             scenario(ctx)
         finally:
             ctx.cleanup()
+
+
+def test_a_subscription_makes_its_transactional_producer_while_it_joins(mq, names) -> None:
+    """A consumer's first re-publish (a delayed nack, an expired lease) used to make its
+    transactional producer inside the message's lease: init_transactions took up to 0.5 s
+    on an idle broker, and a batch nack under load ran out of a 2 s lease on it. It is now
+    made beside the join, before anything is received or nacked; a nack then uses it."""
+    group, root = names
+    with mq.subscribe(group, f"{root}.#", lease=30) as sub:
+        inner = sub._inner
+        deadline = time.monotonic() + 30
+        while inner.mover is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        made = inner.mover
+        assert made is not None, "no transactional producer before the first re-publish"
+        mq.publish(f"{root}.n", b"x")
+        got: list[Any] = []
+        while not got and time.monotonic() < deadline:
+            got = sub.receive(1, 1.0)
+        assert got
+        got[0].nack(0.2)
+        assert inner.mover is made
