@@ -269,11 +269,17 @@ class _Mover(Mover):
         self._open()
 
     def _open(self) -> None:
+        p = None
         try:
             p = ck.Producer(self.cfg)
             # Completes (or aborts) what an earlier producer with this id left open.
             p.init_transactions(self.timeout)
         except Exception as exc:
+            # Closed before the caller may make another with this transactional.id: a live
+            # one whose init lands late would fence it.
+            if p is not None:
+                with contextlib.suppress(Exception):
+                    p.close()
             raise classify(exc) from exc
         self.p = p
 

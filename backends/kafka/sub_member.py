@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from mqabstract.errors import LeaseExpired, MQError, Timeout
+from mqabstract.errors import Closed, LeaseExpired, MQError, Timeout
 from mqabstract.url import redact
 
 from .client import TP, ClientError, Fetched, Kind, Mover, Outgoing, Pending
@@ -543,7 +543,7 @@ class GroupMember(SubscriptionState):
                         raise LeaseExpired(f"partition {tp} of {self.spec.name!r} not read")
                     offsets[tp] = (point, ckpt)
             try:
-                self._mover().move([out for _, out in moves], offsets, meta,
+                self._mover(end).move([out for _, out in moves], offsets, meta,
                                 max(0.05, end - time.monotonic()))
             except ClientError as exc:
                 if exc.kind is Kind.FATAL and not exc.doubt:
@@ -581,27 +581,39 @@ class GroupMember(SubscriptionState):
             raise _Unknown(f"re-publish of {self.spec.name!r}: outcome unknown") from exc
         return all(found.get(tp) == sent for tp, sent in offsets.items())
 
-    def _mover(self) -> Mover:
+    def _mover(self, end: float) -> Mover:
         """This consumer's transactional producer, made on first use (or by ``warm_mover``;
-        two with one transactional.id would fence each other: made under ``mover_lock``)."""
-        with self.mover_lock:
+        two with one transactional.id would fence each other: made under ``mover_lock``).
+        Waits for a making in flight until ``end`` (monotonic), then ``Timeout``: nothing
+        was written."""
+        if not self.mover_lock.acquire(timeout=max(0.05, end - time.monotonic())):
+            raise Timeout(f"the transactional producer of {self.spec.name!r} is being made")
+        try:
+            if self.closed:
+                raise Closed(f"the subscription to {self.spec.name!r} is closed")
             if self.mover is None:
                 self.mover = self.d.client.mover(self.d.settings, self.txn_id)
             mover: Mover = self.mover
             return mover
+        finally:
+            self.mover_lock.release()
 
     def warm_mover(self) -> None:
         """Make the transactional producer ahead of the first re-publish (a thread started
         at subscribe, beside the join): its ``init_transactions`` took 0.06-0.5 s on an idle
         broker, which the first nack, or the first expired lease, paid inside its lease.
-        On failure it is made at first use, as before."""
-        try:
-            with self.mover_lock:
-                if self.mover is None and not self.closed:
-                    self.mover = self.d.client.mover(self.d.settings, self.txn_id)
-        except Exception as exc:  # (a thread's end: logged, never raised)
-            log.debug("kafka: transactional producer of %s not made ahead: %s",
-                      self.spec.name, exc)
+        On failure it is made at first use, which reports the error to its caller."""
+        with self.mover_lock:
+            if self.mover is not None or self.closed:
+                return
+            try:
+                self.mover = self.d.client.mover(self.d.settings, self.txn_id)
+            except Exception as exc:  # (a thread's end: logged, never raised)
+                transient = isinstance(exc, ClientError) and exc.kind in (
+                    Kind.TRANSIENT, Kind.TIMEOUT)
+                log.log(logging.DEBUG if transient else logging.WARNING,
+                        "kafka: the transactional producer of %s could not be made ahead "
+                        "(made again at the first re-publish): %s", self.spec.name, exc)
 
     def _drop_mover(self) -> None:
         with self.mover_lock:

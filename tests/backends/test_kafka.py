@@ -1319,13 +1319,17 @@ def test_dead_letter_by_lease_expiry_waits_out_a_slow_redelivery(url, client,
             ctx.cleanup()
 
 
-def test_a_subscription_makes_its_transactional_producer_while_it_joins(mq, names) -> None:
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_subscription_makes_its_transactional_producer_while_it_joins(url, client,
+                                                                        names) -> None:
     """A consumer's first re-publish (a delayed nack, an expired lease) used to make its
     transactional producer inside the message's lease: init_transactions took up to 0.5 s
     on an idle broker, and a batch nack under load ran out of a 2 s lease on it. It is now
     made beside the join, before anything is received or nacked; a nack then uses it."""
     group, root = names
-    with mq.subscribe(group, f"{root}.#", lease=30) as sub:
+    sep = "&" if "?" in url else "?"
+    with mqabstract.connect(f"{url}{sep}client={client}") as mq, \
+            mq.subscribe(group, f"{root}.#", lease=30) as sub:
         inner = sub._inner
         deadline = time.monotonic() + 30
         while inner.mover is None and time.monotonic() < deadline:
