@@ -603,17 +603,16 @@ class GroupMember(SubscriptionState):
         at subscribe, beside the join): its ``init_transactions`` took 0.06-0.5 s on an idle
         broker, which the first nack, or the first expired lease, paid inside its lease.
         On failure it is made at first use, which reports the error to its caller."""
-        with self.mover_lock:
-            if self.mover is not None or self.closed:
-                return
-            try:
-                self.mover = self.d.client.mover(self.d.settings, self.txn_id)
-            except Exception as exc:  # (a thread's end: logged, never raised)
-                transient = isinstance(exc, ClientError) and exc.kind in (
-                    Kind.TRANSIENT, Kind.TIMEOUT)
-                log.log(logging.DEBUG if transient else logging.WARNING,
-                        "kafka: the transactional producer of %s could not be made ahead "
-                        "(made again at the first re-publish): %s", self.spec.name, exc)
+        try:
+            self._mover(time.monotonic() + self.d.opts["request_timeout_ms"] / 1000)
+        except Closed:
+            pass
+        except Exception as exc:  # (a thread's end: logged, never raised)
+            transient = isinstance(exc, Timeout) or (
+                isinstance(exc, ClientError) and exc.kind in (Kind.TRANSIENT, Kind.TIMEOUT))
+            log.log(logging.DEBUG if transient else logging.WARNING,
+                    "kafka: the transactional producer of %s could not be made ahead "
+                    "(made again at the first re-publish): %s", self.spec.name, exc)
 
     def _drop_mover(self) -> None:
         with self.mover_lock:
