@@ -161,15 +161,17 @@ class _Producer(Producer):
                 ) -> list[ClientError | None]:
         """Wait for the lane's records; place the failures librdkafka reported (by their
         ``mq-id`` header) and time out the rest when not all were acknowledged."""
-        clean = False
-        failures: list[tuple[Any, Any]] = []
         try:
-            left = lane.p.flush(max(0.0, deadline - time.monotonic()))
-            clean = left == 0
-        finally:
-            failures, lane.failures = lane.failures, []
-            timed_out = any(err.code() == _TIMED_OUT for err, _ in failures)
-            self._give(lane, clean and not timed_out)
+            clean = lane.p.flush(max(0.0, deadline - time.monotonic())) == 0
+        except BaseException:
+            self._give(lane, False)
+            raise
+        if clean and not lane.failures:  # every record acknowledged: the common case
+            self._give(lane, True)
+            return errors
+        failures, lane.failures = lane.failures, []
+        timed_out = any(err.code() == _TIMED_OUT for err, _ in failures)
+        self._give(lane, clean and not timed_out)
         if failures:
             n = len(errors)
             rows = {(m if isinstance(m, bytes) else str(m).encode()): i

@@ -54,6 +54,10 @@ BROKER_DEFAULT = -1
 #: seen before cannot be created.
 CLUSTER_SIZE_TTL = 1.0
 
+#: Topic names ``topic`` remembers before it starts again (an application that publishes
+#: to unboundedly many topics must not grow the map without end).
+_NAMES_KEPT = 4096
+
 R = TypeVar("R")
 
 
@@ -101,6 +105,8 @@ class KafkaCluster(abc.ABC):
         self.client = client
         self.settings = self._settings(url, opts)
         self._known: set[str] = set()
+        self._names: dict[str, str] = {}  # mqabstract topic -> Kafka topic (``topic``)
+        self._send_timeout = opts["request_timeout_ms"] / 1000 * 2
         self._brokers: tuple[int, float] | None = None  # (cluster size, when asked)
         self._most_brokers = 0
         self._warned: set[str] = set()  # topics reported as not replicated
@@ -172,6 +178,9 @@ class KafkaCluster(abc.ABC):
 
     @property
     def producer(self) -> Producer:
+        made = self._producer_c  # every publish asks: the made one without the lock
+        if made is not None and self._pid == os.getpid():
+            return made
         with self._lock:
             self._fork_check()
             if self._producer_c is None:
@@ -220,7 +229,13 @@ class KafkaCluster(abc.ABC):
 
     # -- topics ---------------------------------------------------------------------------------
     def topic(self, topic: str) -> str:
-        return kafka_topic_name(topic, self.prefix)
+        """The Kafka topic of an mqabstract topic (remembered: every publish maps one)."""
+        name = self._names.get(topic)
+        if name is None:
+            if len(self._names) >= _NAMES_KEPT:
+                self._names.clear()
+            name = self._names[topic] = kafka_topic_name(topic, self.prefix)
+        return name
 
     def retry_topic(self, group: str) -> str:
         return internal("r", group)
@@ -271,9 +286,9 @@ class KafkaCluster(abc.ABC):
         dead-letter and registry topics. Replication and ``min.insync.replicas`` follow
         ``replication_plan`` over the cluster's size; an existing topic with one replica
         on a cluster of several brokers is reported once (a warning)."""
-        missing = [n for n in names if n not in self._known]
-        if not missing:
+        if self._known.issuperset(names):  # every publish asks: known ones at once
             return
+        missing = [n for n in names if n not in self._known]
         configs = {"cleanup.policy": "compact"} if compact else {}
         rf, isr = self.opts["replication_factor"], self.opts["min_insync_replicas"]
         brokers = 0  # unknown: needed for AUTO, else only for the replication check
@@ -367,7 +382,7 @@ class KafkaCluster(abc.ABC):
         """Write records and wait for every ack; raise naming the ones that failed (by
         ``ids``, the messages' ids, for a ``PublishError``)."""
         try:
-            results = self.producer.send(records, self.opts["request_timeout_ms"] / 1000 * 2)
+            results = self.producer.send(records, self._send_timeout)
         except Exception as exc:  # the producer could not be made: nothing was sent
             raise native(exc, "publish failed", self.url) from exc
         self._confirmed(results, ids)

@@ -73,6 +73,21 @@ def survives(replication_factor: int, min_insync_replicas: int) -> str:
             "in-sync replica, a confirmed record may be on one broker only")
 
 
+def _record(env: Envelope, name: str) -> Outgoing:
+    """An envelope as a record of Kafka topic ``name``: only what the wire schema needs.
+    The headers are ``wire.encode``'s without ``mq-published-at``, built here as bytes pairs
+    (through ``wire.encode`` a batch publishes measurably slower): the publish time is the
+    record's timestamp (ms), Kafka's own field for it (docs/decisions.md, "Kafka's wire")."""
+    headers = [(k, v.encode()) for k, v in env.headers.items()] if env.headers else []
+    headers.append((wire.ID, env.id.encode()))
+    if env.deliver_at is not None:
+        headers.append((wire.DELIVER_AT, wire.value(env.deliver_at).encode()))
+    if name.startswith(HASHED):
+        headers.append((wire.TOPIC, env.topic.encode()))
+    return Outgoing(name, env.body, env.key.encode() if env.key is not None else None,
+                    headers, None, int(env.published_at * 1000))
+
+
 class KafkaDriver(KafkaCluster, Driver):
     """Kafka through confluent-kafka or kafka-python: topics, partitions, consumer groups,
     emulated leases. The logic is written once over ``client.py``."""
@@ -200,29 +215,16 @@ class KafkaDriver(KafkaCluster, Driver):
 
     # -- publishing ----------------------------------------------------------------------------
     def publish(self, envelopes: Sequence[Envelope]) -> None:
-        """One record per envelope; the per-record work is what the wire schema needs (a
-        batch usually shares its topic: mapped once). The headers are ``wire.encode``'s
-        without ``mq-published-at``, built here as bytes pairs (through ``wire.encode`` a
-        batch publishes measurably slower): the publish time is the record's timestamp
-        (ms), Kafka's own field for it (docs/decisions.md, "Kafka's wire")."""
+        """One record per envelope (``_record``), written and waited for at once."""
         self._check()
-        names: dict[str, str] = {}
-        records = []
-        ID = wire.ID
-        for env in envelopes:
-            name = names.get(env.topic)
-            if name is None:
-                name = names[env.topic] = self.topic(env.topic)
-            headers = [(k, v.encode()) for k, v in env.headers.items()] if env.headers else []
-            headers.append((ID, env.id.encode()))
-            if env.deliver_at is not None:
-                headers.append((wire.DELIVER_AT, wire.value(env.deliver_at).encode()))
-            if name.startswith(HASHED):
-                headers.append((wire.TOPIC, env.topic.encode()))
-            records.append(Outgoing(name, env.body,
-                                    env.key.encode() if env.key is not None else None,
-                                    headers, None, int(env.published_at * 1000)))
-        self.ensure_topics(set(names.values()))
+        if len(envelopes) == 1:  # a single publish: nothing to share, nothing to collect
+            env = envelopes[0]
+            name = self.topic(env.topic)
+            self.ensure_topics((name,))
+            self.send((_record(env, name),), (env.id,))
+            return
+        records = [_record(env, self.topic(env.topic)) for env in envelopes]
+        self.ensure_topics({r.topic for r in records})
         self.send(records, [e.id for e in envelopes])
 
     def publish_columns(self, columns: Columns) -> None:
