@@ -66,10 +66,10 @@ class _Pending:
     make a second copy of the message).
 
     Settled by whichever thread reads the confirms (a publisher's caller or the I/O
-    thread), under its own lock; waiters use ``event``."""
+    thread), under its own lock. Nobody blocks on it: the caller reads confirms itself
+    (``_Publisher._wait``), the I/O thread hears of the end through ``on_done``."""
 
-    __slots__ = ("acked", "doubt", "event", "failed", "left", "lock", "lost", "on_done",
-                 "returned")
+    __slots__ = ("acked", "doubt", "failed", "left", "lock", "lost", "on_done", "returned")
 
     def __init__(self, n: int, on_done: Callable[[_Pending], None] | None = None) -> None:
         self.left = n
@@ -78,7 +78,6 @@ class _Pending:
         self.lost: list[int] = []
         self.doubt: list[int] = []
         self.returned: list[int] = []
-        self.event = threading.Event()
         self.on_done = on_done
         self.lock = threading.Lock()
         if n == 0:
@@ -102,7 +101,6 @@ class _Pending:
             self._finish()
 
     def _finish(self) -> None:
-        self.event.set()
         if self.on_done is not None:
             try:
                 self.on_done(self)
