@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_kafka.py [--url kafka://127.0.0.1:9092] [--n 50000]
         [--size 100] [--batch 1000] [--rounds 2] [--single 2000]
-        [--only publish|columns|single|consume|many ...] [--clients confluent,kafka-python]
+        [--only publish|columns|single|consume|many|batch ...] [--clients confluent,kafka-python]
 
 For each client (``confluent``: confluent-kafka / librdkafka; ``kafka-python``) one run
 measures, against the same broker, ``size``-byte keyed records, acks=all, idempotent:
@@ -28,6 +28,8 @@ measures, against the same broker, ``size``-byte keyed records, acks=all, idempo
   mqabstract subscription reads what mqabstract published.
 * many: the same as consume, acking each received batch with one ``Subscription.ack_many``
   (against the consume baseline).
+* batch: the same as consume through ``Subscription.receive_batch(batch)`` and
+  ``Batch.ack()``, reading the ``bodies`` column (against the consume baseline).
 
 mqabstract picks the client by the URL query ``client=confluent`` / ``client=kafka-python``;
 where that fails (unknown option, client not implemented) the row says ``n/a`` with the
@@ -55,10 +57,11 @@ from kafka import KafkaConsumer, KafkaProducer
 import mqabstract
 
 CLIENTS = ("confluent", "kafka-python")
-OPS = ("publish", "columns", "single", "consume", "many")
+OPS = ("publish", "columns", "single", "consume", "many", "batch")
 OP_NAMES = {"publish": "publish_batch", "columns": "publish_columns", "single": "single publish",
-            "consume": "receive+ack", "many": "receive+ack_many"}
-RAW_OF = {"many": "consume"}  # ops measured against another op's raw baseline
+            "consume": "receive+ack", "many": "receive+ack_many",
+            "batch": "receive_batch+ack"}
+RAW_OF = {"many": "consume", "batch": "consume"}  # ops measured against another op's raw baseline
 PARTITIONS = 4  # the driver's default ``partitions``: raw topics get the same
 WAIT = 120.0  # give up on a consume after this long (reported as n/a)
 HARD = WAIT + 60.0  # a call not back by then is left behind on its thread (n/a: hung)
@@ -298,12 +301,18 @@ def mq_single(broker: mqabstract.Broker, topic: str, n: int, body: bytes) -> flo
 
 
 def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batch: int,
-               many: bool = False) -> float:
+               many: bool = False, batches: bool = False) -> float:
     sub = broker.subscribe(group, pattern, lease=300.0)
     got, start = 0, None
     deadline = time.monotonic() + WAIT
     try:
-        while got < n and time.monotonic() < deadline:
+        while batches and got < n and time.monotonic() < deadline:
+            b = sub.receive_batch(batch, 1.0)
+            if b and start is None:
+                start = time.perf_counter()
+            b.ack()
+            got += sum(1 for body in b.bodies if body != b"warm-up")
+        while not batches and got < n and time.monotonic() < deadline:
             msgs = sub.receive(batch, 1.0)
             if msgs and start is None:
                 start = time.perf_counter()
@@ -371,7 +380,7 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
     except Exception as exc:
         broker, connect_error = None, reason(exc)
     group, pattern = f"bench-{tag}", f"bench.{tag}.#"
-    groups = {"consume": group, "many": f"bench-{tag}-m"}
+    groups = {"consume": group, "many": f"bench-{tag}-m", "batch": f"bench-{tag}-b"}
 
     def mq(op: str, call: Callable[[mqabstract.Broker], float]) -> None:
         if broker is None:
@@ -405,17 +414,18 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
                     lambda r=raw, t=raw_topic: r.single(t, args.single, body))
             mq("single", lambda b: mq_single(b, f"benchs.{tag}.s", args.single,
                                              body))
-        if "consume" in ops or "many" in ops:
+        if {"consume", "many", "batch"} & set(ops):
             res.run(("consume", client, "raw"),
                     lambda r=raw: r.consume(consume_topic, args.n, args.batch))
             if not published and broker is not None:  # untimed fill
                 with contextlib.suppress(Exception):
                     bounded(lambda: mq_publish(broker, f"bench.{tag}.t", keys, body, args.batch),
                             what=f"{client} fill")
-            for op in ("consume", "many"):
+            for op in ("consume", "many", "batch"):
                 if op in ops:
                     mq(op, lambda b, o=op: mq_consume(b, groups[o], pattern, args.n,
-                                                      args.batch, many=o == "many"))
+                                                      args.batch, many=o == "many",
+                                                      batches=o == "batch"))
     finally:
         if broker is not None:
             for name in groups.values():
@@ -450,7 +460,7 @@ def main() -> None:
         token = "b" + secrets.token_hex(4)
         try:
             consume_topic = f"bench-raw-{token}-c"
-            if "consume" in ops or "many" in ops:
+            if {"consume", "many", "batch"} & set(ops):
                 # one filled topic, read by each raw client's own group
                 create_topics(admin, [consume_topic])
                 fill(args.url, consume_topic, args.n, b"x" * args.size)
