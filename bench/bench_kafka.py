@@ -62,6 +62,7 @@ OP_NAMES = {"publish": "publish_batch", "columns": "publish_columns", "single": 
             "consume": "receive+ack", "many": "receive+ack_many",
             "batch": "receive_batch+ack"}
 RAW_OF = {"many": "consume", "batch": "consume"}  # ops measured against another op's raw baseline
+CONSUMING = ("consume", "many", "batch")  # the ops that read the filled topic
 PARTITIONS = 4  # the driver's default ``partitions``: raw topics get the same
 WAIT = 120.0  # give up on a consume after this long (reported as n/a)
 HARD = WAIT + 60.0  # a call not back by then is left behind on its thread (n/a: hung)
@@ -306,22 +307,24 @@ def mq_consume(broker: mqabstract.Broker, group: str, pattern: str, n: int, batc
     got, start = 0, None
     deadline = time.monotonic() + WAIT
     try:
-        while batches and got < n and time.monotonic() < deadline:
-            b = sub.receive_batch(batch, 1.0)
-            if b and start is None:
-                start = time.perf_counter()
-            b.ack()
-            got += sum(1 for body in b.bodies if body != b"warm-up")
-        while not batches and got < n and time.monotonic() < deadline:
-            msgs = sub.receive(batch, 1.0)
-            if msgs and start is None:
-                start = time.perf_counter()
-            if many:
-                sub.ack_many(msgs)
+        while got < n and time.monotonic() < deadline:
+            if batches:
+                received = sub.receive_batch(batch, 1.0)
+                if received and start is None:
+                    start = time.perf_counter()
+                received.ack()
+                bodies = received.bodies
             else:
-                for m in msgs:
-                    m.ack()
-            got += sum(1 for m in msgs if m.body != b"warm-up")
+                msgs = sub.receive(batch, 1.0)
+                if msgs and start is None:
+                    start = time.perf_counter()
+                if many:
+                    sub.ack_many(msgs)
+                else:
+                    for m in msgs:
+                        m.ack()
+                bodies = [m.body for m in msgs]
+            got += sum(1 for body in bodies if body != b"warm-up")
         took = time.perf_counter() - (start or time.perf_counter())
     finally:
         sub.close()
@@ -414,14 +417,14 @@ def bench_client(args: argparse.Namespace, ops: list[str], res: Results, admin: 
                     lambda r=raw, t=raw_topic: r.single(t, args.single, body))
             mq("single", lambda b: mq_single(b, f"benchs.{tag}.s", args.single,
                                              body))
-        if {"consume", "many", "batch"} & set(ops):
+        if set(CONSUMING) & set(ops):
             res.run(("consume", client, "raw"),
                     lambda r=raw: r.consume(consume_topic, args.n, args.batch))
             if not published and broker is not None:  # untimed fill
                 with contextlib.suppress(Exception):
                     bounded(lambda: mq_publish(broker, f"bench.{tag}.t", keys, body, args.batch),
                             what=f"{client} fill")
-            for op in ("consume", "many", "batch"):
+            for op in CONSUMING:
                 if op in ops:
                     mq(op, lambda b, o=op: mq_consume(b, groups[o], pattern, args.n,
                                                       args.batch, many=o == "many",
@@ -460,7 +463,7 @@ def main() -> None:
         token = "b" + secrets.token_hex(4)
         try:
             consume_topic = f"bench-raw-{token}-c"
-            if {"consume", "many", "batch"} & set(ops):
+            if set(CONSUMING) & set(ops):
                 # one filled topic, read by each raw client's own group
                 create_topics(admin, [consume_topic])
                 fill(args.url, consume_topic, args.n, b"x" * args.size)

@@ -217,12 +217,6 @@ class KafkaDriver(KafkaCluster, Driver):
     def publish(self, envelopes: Sequence[Envelope]) -> None:
         """One record per envelope (``_record``), written and waited for at once."""
         self._check()
-        if len(envelopes) == 1:  # a single publish: nothing to share, nothing to collect
-            env = envelopes[0]
-            name = self.topic(env.topic)
-            self.ensure_topics((name,))
-            self.send((_record(env, name),), (env.id,))
-            return
         records = [_record(env, self.topic(env.topic)) for env in envelopes]
         self.ensure_topics({r.topic for r in records})
         self.send(records, [e.id for e in envelopes])
