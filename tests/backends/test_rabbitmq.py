@@ -735,7 +735,9 @@ def test_a_cut_between_copy_and_ack_never_sends_attempts_back(
                 with contextlib.suppress(mqabstract.MQError):
                     first.nack()
                 _until(lambda: bool(cut))
-            seen += _attempts_in_order(sub, ids)
+            # (the pause path acked the first one: waiting for it again ran to the limit)
+            again = ids - {first.id} if path == "pause" else ids
+            seen += _attempts_in_order(sub, again)
         assert ids <= {m for m, _ in seen}, "lost"
         assert _going_back(seen) == {}, seen
     finally:
