@@ -12,6 +12,11 @@ durable quorum queue (what an mqabstract group is) and wait for publisher confir
   BlockingChannel way, one confirm per message — the ratio the issue asks for.
 * consume: receive + ack every message at the same prefetch (raw: ``basic_consume`` with a
   manual ack per message; mqabstract: ``Subscription.receive`` + ``Message.ack``).
+* redeliver (``--nack``, default 2000): every message refused once and received again,
+  then acked; the rate counts messages, both passes. Raw: ``basic_nack(requeue=True)``
+  (the broker counts the delivery); mqabstract: ``Message.nack()``, which puts a copy
+  with the next attempt written down into the queue, confirmed, then acks the original
+  (docs/backends/rabbitmq.md, *Redelivery*).
 
 Prints msg/s and the mqabstract / raw ratio. No assertions: numbers, not tests.
 """
@@ -70,6 +75,28 @@ class Raw:
         ch.close()
         return rate(got, elapsed)
 
+    def redeliver(self, n: int, prefetch: int) -> float:
+        """Nack (requeue) each of ``n`` queued messages on its first delivery, ack it on
+        its second."""
+        ch = self.conn.channel()
+        ch.basic_qos(prefetch_count=prefetch)
+        acked = 0
+        t0 = time.perf_counter()
+        for method, _props, _body in ch.consume(self.queue, inactivity_timeout=10):
+            if method is None:
+                break
+            if method.redelivered:
+                ch.basic_ack(method.delivery_tag)
+                acked += 1
+                if acked >= n:
+                    break
+            else:
+                ch.basic_nack(method.delivery_tag, requeue=True)
+        elapsed = time.perf_counter() - t0
+        ch.cancel()
+        ch.close()
+        return rate(acked, elapsed)
+
     def close(self) -> None:
         self.ch.queue_delete(self.queue)
         self.ch.exchange_delete(self.exchange)
@@ -89,6 +116,22 @@ def mq_consume(sub: mqabstract.Subscription, n: int) -> float:
     return rate(got, time.perf_counter() - t0)
 
 
+def mq_redeliver(sub: mqabstract.Subscription, n: int) -> float:
+    acked = 0
+    t0 = time.perf_counter()
+    while acked < n:
+        msgs = sub.receive(100, 10.0)
+        if not msgs:
+            break
+        for msg in msgs:
+            if msg.attempt == 1:
+                msg.nack()
+            else:
+                msg.ack()
+                acked += 1
+    return rate(acked, time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -96,6 +139,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000, help="messages for batch and consume")
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--prefetch", type=int, default=100)
+    ap.add_argument("--nack", type=int, default=2000, help="messages for redeliver")
     ap.add_argument("--rounds", type=int, default=2, help="alternate raw/mqabstract runs")
     args = ap.parse_args()
 
@@ -134,6 +178,13 @@ def main() -> None:
             # Both queues now hold the n messages of this round (single + batch).
             keep("raw consume", raw.consume(args.n, args.prefetch))
             keep("mq consume", mq_consume(sub, args.n))
+
+            if args.nack:
+                raw.publish(args.nack)
+                for start in range(0, args.nack, args.batch):
+                    mq.publish_batch([(topic, BODY)] * min(args.batch, args.nack - start))
+                keep("raw redeliver", raw.redeliver(args.nack, args.prefetch))
+                keep("mq redeliver", mq_redeliver(sub, args.nack))
     finally:
         sub.close()
         mq.delete_group(group)
@@ -152,6 +203,9 @@ def main() -> None:
           f"{best['mq batch'] / best['raw batch (one confirm each)']:6.2f}x  (target >= 10)")
     print(f"  consume (receive + ack)          {best['mq consume'] / best['raw consume']:6.2f}x"
           "  (target >= 0.9)")
+    if args.nack:
+        print(f"  redeliver (nack, again, ack)     "
+              f"{best['mq redeliver'] / best['raw redeliver']:6.2f}x  (no target)")
 
 
 if __name__ == "__main__":

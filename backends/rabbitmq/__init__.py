@@ -16,8 +16,9 @@ Mapping (details and trade-offs in ``docs/backends/rabbitmq.md``):
   every queue type; broker-side redelivery (a consumer's connection died) adds
   ``x-delivery-count`` (quorum) or the ``redelivered`` flag (classic: such a message is
   re-sent with its attempt written down before anyone gets it, so the next broker-side
-  redelivery counts on from there). Copies go out on the subscription's own connection:
-  when it dies, neither the copy nor the ack of its original went out.
+  redelivery counts on from there). Copies go out on the subscription's own connection,
+  and a cut between a copy's confirm and its original's ack leaves both: the subscription
+  drops whichever is superfluous when it comes back (``consumer._Superseded``).
 * Delays use one wait queue per delay tier (queue TTL, dead-lettered to the exchange for a
   delayed publish, or to the group queue for ``nack(delay)``). A message that comes out of
   a tier before its ``mq-deliver-at`` is sent to the next tier by the consumer that sees

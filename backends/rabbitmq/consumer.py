@@ -9,37 +9,97 @@ import heapq
 import itertools
 import logging
 import threading
-from collections import deque
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pika
 import pika.exceptions as pex
 
+from mqabstract import wire
 from mqabstract.errors import NotFound
 from mqabstract.model import GroupSpec
 from mqabstract.url import redact
 
 from .holdings import _Holdings
 from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Link, _Pending
-from .wire import H_ATTEMPT, _Raw
+from .wire import H_COPY, _Raw
 
 log = logging.getLogger("mqabstract.rabbitmq")
 
 _CHANNEL_GEN = itertools.count(1)
 
-#: the most copies one transaction of the consumer channel publishes. RabbitMQ 3.10's
-#: quorum queue client (``rabbit_fifo_client``) holds a channel's acks back, unsent,
-#: while 32 or more of its commands wait to be applied (its soft limit), and a commit
-#: sends its publishes before its acks: a commit with 32 copies or more into one quorum
-#: queue enqueued them and left the originals' acks in the channel, which dropped them
-#: when its connection ended before the enqueues were applied (a cut, a kill, the lease
-#: watchdog racing a woken process). Every original then came back counted beside its
-#: copy: one id at attempt 2 and at attempt 1 (``test_a_cut_after_a_big_commit_...`` in
-#: tests/backends/test_rabbitmq.py; with raw pika, 31 copies stay atomic and 33 do not).
-#: Far below the limit, so acks of earlier transactions still waiting to be applied do
-#: not bring a commit of copies to it.
-_TX_COPIES = 8
+#: How many copies' originals a consumer remembers (``_Superseded``), and for how long
+#: after its channel ended (a cut) and while it lives: an original comes back, if at all,
+#: when the channel that held it ends, and is delivered again within moments.
+_SUPERSEDED_MAX = 10_000
+_SUPERSEDED_CUT_S = 120.0
+_SUPERSEDED_LIVE_S = 60.0
+
+
+class _Superseded:
+    """The deliveries a consumer drops (acks unseen) because a copy stands for them.
+
+    A message goes back to its queue as a copy (a pause's unread buffer, an expired lease,
+    a nack, a dead letter), and its original is acked only once the copy is confirmed: a
+    copy and an ack cannot be made one step (RabbitMQ 3.10 quorum queues may apply a
+    transaction's ack and drop its publish when the connection ends: loss, measured in
+    docs/backends/rabbitmq.md). So a cut after the confirm can leave both: the original
+    comes back (redelivered, counted) beside its copy. Then whichever of the two is known
+    superfluous is dropped: the original once its copy is confirmed (it comes back only as
+    a redelivery), the copy while its confirm is in doubt (its original was never acked,
+    so it surely comes back).
+
+    A message in a queue is named by its id, its copy token (``H_COPY``: None until
+    copied; replays get one too) and its ``mq-published-at``, so a later publish or a
+    replay of the same id is never taken for it. Only this consumer knows: another process
+    that gets such a pair sees a duplicate (docs/backends/rabbitmq.md, Known gaps). I/O
+    thread only."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        # (id, token, published) -> (channel generation it waits on, when added,
+        # only as a redelivery), oldest first
+        self._keys: dict[tuple[str, Any, Any], tuple[int, float, bool]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    @staticmethod
+    def key(mid: str, headers: Any) -> tuple[str, Any, Any]:
+        headers = headers or {}
+        return (mid, headers.get(H_COPY), headers.get(wire.PUBLISHED_AT))
+
+    def add(self, key: tuple[str, Any, Any], redelivery: bool, gen: int, now: float) -> None:
+        self._keys.pop(key, None)
+        self._keys[key] = (gen, now, redelivery)
+        self.prune(gen, now)
+
+    def prune(self, live_gen: int, now: float) -> None:
+        """Forget the oldest: over the size bound, from a channel that ended more than
+        ``_SUPERSEDED_CUT_S`` ago, or from the live one after ``_SUPERSEDED_LIVE_S``
+        (its acks were applied long since)."""
+        keys = self._keys
+        while keys:
+            key, (gen, at, _) = next(iter(keys.items()))
+            limit = _SUPERSEDED_LIVE_S if gen == live_gen else _SUPERSEDED_CUT_S
+            if len(keys) <= _SUPERSEDED_MAX and now - at <= limit:
+                return
+            del keys[key]
+
+    def take(self, mid: str | None, headers: Any, redelivered: bool) -> bool:
+        """True (and forgotten) if this delivery is one to drop."""
+        if mid is None:
+            return False
+        key = self.key(mid, headers)
+        got = self._keys.get(key)
+        if got is None or (got[2] and not redelivered):
+            return False
+        del self._keys[key]
+        return True
+
 
 #: the driver's copy of a delivered message for a queue (``RabbitMQDriver._retry_item``):
 #: (message, queue, deliveries so far, due or None) -> its publish
@@ -49,15 +109,15 @@ _RetryItem = Callable[[_Raw, str, int, float | None], _Item]
 class _Consumer:
     """One subscription's consumer on the I/O thread: a ``SelectConnection`` of its own
     (closing it hands back exactly this subscription's messages; it reconnects after a
-    loss), the consumer channel in AMQP transaction mode, a confirm channel for copies into
-    other queues, the lease tick, and pausing when nobody receives. Its messages, leases
-    and watchdog reports are the ``_Holdings`` it shares with the caller side.
+    loss), the consumer channel in AMQP transaction mode, a confirm channel for copies,
+    the lease tick, and pausing when nobody receives. Its messages, leases and watchdog
+    reports are the ``_Holdings`` it shares with the caller side.
 
     Concurrency: every method runs on the ``_Link`` I/O thread (other threads hand them to
-    it with ``link.call``), except ``close``, which any other thread calls. Settles and
-    copies go out in the consumer channel's transactions (``_pump``): a copy into the
-    group's own queue and its original's ack commit together; a copy into another queue
-    is confirmed first on the copy channel and its original acked in the next transaction.
+    it with ``link.call``), except ``close``, which any other thread calls. Settles go out
+    in the consumer channel's transactions (``_pump``); a copy is confirmed on the copy
+    channel first and its original acked in the next transaction (``copy_then_ack``), so
+    a cut leaves a duplicate, never a loss, and ``_Superseded`` drops the duplicate.
     """
 
     def __init__(self, link: _Link, held: _Holdings, spec: GroupSpec, queue: str,
@@ -77,20 +137,19 @@ class _Consumer:
         self._ctag: str | None = None
         self._cancelling = False
         self._idle = min(1.0, max(0.2, spec.lease / 2))
-        # The consumer channel's transactions (``_pump``): what the next one publishes
-        # and acks, what to run when it is committed (True) or its channel goes first
+        # The consumer channel's transactions (``_pump``): what the next one acks and
+        # requeues, what to run when it is committed (True) or its channel goes first
         # (False); the channel whose tx.commit is unanswered and what that one runs then.
-        # copies into the group's own queue in batches of at most _TX_COPIES, each with
-        # what to run when its transaction is committed (True) or not (False)
-        self._tx_copies: deque[tuple[list[tuple[_Raw, _Item]], Callable[[bool], None]]] = (
-            deque())
         self._tx_acks: list[int] = []
         self._tx_requeues: list[int] = []
         self._tx_then: list[Callable[[bool], None]] = []
         self._tx_busy: Any = None
         self._tx_busy_then: list[Callable[[bool], None]] = []
-        self._pub_ch: Any = None  # confirm channel for copies into other queues
+        self._pub_ch: Any = None  # confirm channel for copies
         self._confirms = _Confirms()
+        self._superseded = _Superseded()
+        self._copy_ids = itertools.count(1)
+        self._copy_prefix = uuid.uuid4().hex[:12]
         link.subs.add(self)
 
     # -- the watchdog ----------------------------------------------------------------------
@@ -160,8 +219,8 @@ class _Consumer:
                 conn.close()
             return
         self._watch()
-        # Copies into other queues go out on this connection, so a copy whose original
-        # cannot be acked (the connection died) was not sent either.
+        # Copies go out on this connection, so a copy whose original cannot be acked (the
+        # connection died) was not sent either, or is in doubt (``_Superseded``).
         conn.channel(on_open_callback=self._pub_open)
         if self._held.want:
             self.start()
@@ -228,8 +287,8 @@ class _Consumer:
         ch.add_on_close_callback(self._channel_closed)
         ch.add_on_return_callback(self._returned)
         ch.basic_qos(prefetch_count=self._prefetch)
-        # Transaction mode: a copy and its original's ack (and any ack) take effect at the
-        # next tx.commit (``_pump``). pika sends the consume after select-ok.
+        # Transaction mode: acks take effect at the next tx.commit (``_pump``), which
+        # batches them under load. pika sends the consume after select-ok.
         ch.tx_select()
         if self._held.want:
             self._consume()
@@ -239,7 +298,13 @@ class _Consumer:
         held = self._held
         gen = held.ch_gen
 
+        superseded = self._superseded
+
         def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            if superseded and superseded.take(props.message_id, props.headers,
+                                              method.redelivered):
+                self._drop(gen, method.delivery_tag, props)
+                return
             raw = _Raw(gen, method.delivery_tag, method.redelivered, method.routing_key,
                        props, body)
             with held.cond:
@@ -258,6 +323,15 @@ class _Consumer:
         # replaced on this channel object only (again by the next consume, not stacked).
         ch._on_deliver = lambda frame, header, content: on_message(
             ch, frame.method, header.properties, content)
+
+    def _drop(self, gen: int, tag: int, props: Any) -> None:
+        """Ack, unseen, a delivery a copy stands for (``_Superseded``)."""
+        log.info("rabbitmq: message %s came back to group %r beside the copy that replaced "
+                 "it (a cut connection); the duplicate is dropped", props.message_id,
+                 self.spec.name)
+        if gen == self._held.ch_gen:
+            self._tx_acks.append(tag)
+            self._pump()
 
     def _channel_closed(self, ch: Any, reason: BaseException) -> None:
         if ch is not self.ch:
@@ -311,44 +385,25 @@ class _Consumer:
         self._pump()
 
     def _pump(self) -> None:
-        """Send what waits for the consumer channel's next transaction (copies with their
-        originals' acks, at most _TX_COPIES of them, then acks) and its tx.commit, unless a
-        commit is unanswered: RabbitMQ closes the connection on a publish or ack that
-        arrives while it commits (504, "unexpected command while processing 'tx.commit'");
-        those wait, and go together, in the next one. So a copy and its original's ack
-        take effect together or not at all, whatever is cut when."""
+        """Send what waits for the consumer channel's next transaction (acks, requeues) and
+        its tx.commit, unless a commit is unanswered: RabbitMQ closes the connection on an
+        ack that arrives while it commits (504, "unexpected command while processing
+        'tx.commit'"); those wait, and go together, in the next one."""
         ch = self._usable_ch()
         if ch is None:
             self._fail_commits()
             return
-        if self._tx_busy is not None or not (self._tx_copies or self._tx_acks
-                                             or self._tx_requeues):
+        if self._tx_busy is not None or not (self._tx_acks or self._tx_requeues):
             return
-        copies: list[tuple[_Raw, _Item]] = []
         then, self._tx_then = self._tx_then, []
-        while self._tx_copies and (not copies or len(copies) + len(self._tx_copies[0][0])
-                                   <= _TX_COPIES):
-            batch, done = self._tx_copies.popleft()
-            copies += batch
-            then.append(done)
         acks, self._tx_acks = self._tx_acks, []
         requeues, self._tx_requeues = self._tx_requeues, []
         try:
-            for raw, item in copies:
-                ch.basic_publish(item.exchange, item.routing_key, item.body, item.props,
-                                 mandatory=item.must_route)
-                ch.basic_ack(raw.tag)
             for tag in sorted(acks):
                 ch.basic_ack(tag)
             for tag in requeues:
                 ch.basic_nack(tag, requeue=True)
             ch.tx_commit(callback=lambda _frame: self._committed(ch))
-            if copies and log.isEnabledFor(logging.DEBUG):
-                log.debug("rabbitmq: committing %d copies of group %r (id@attempts so far: "
-                          "%s) with their originals' acks and %d other acks", len(copies),
-                          self.spec.name, " ".join(
-                              f"{i.props.message_id}@{(i.props.headers or {}).get(H_ATTEMPT)}"
-                              for _, i in copies), len(acks))
         except (*_CONN_ERRORS, pex.AMQPError) as exc:  # closing under us: nothing committed
             log.debug("rabbitmq: transaction not sent: %s", exc)
             for fn in then:
@@ -368,9 +423,9 @@ class _Consumer:
         """The consumer channel is gone: its transactions did not take effect (unless the
         broker committed the last one just before and its answer was lost); what waited
         for the next one goes with it (the broker delivers those originals again)."""
-        then = self._tx_busy_then + self._tx_then + [done for _, done in self._tx_copies]
+        then = self._tx_busy_then + self._tx_then
         self._tx_busy, self._tx_busy_then, self._tx_then = None, [], []
-        self._tx_copies, self._tx_acks, self._tx_requeues = deque(), [], []
+        self._tx_acks, self._tx_requeues = [], []
         for fn in then:
             fn(False)
 
@@ -381,12 +436,16 @@ class _Consumer:
     def copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
                       then: Callable[[bool | None], None] | None = None,
                       returned_ok: bool = True) -> None:
-        """Publish each copy and ack its original; ``then(True)`` once every original's ack
-        is committed, ``then(False)`` if not (the channel went: the broker delivers those
-        again), ``then(None)`` when a copy came back unroutable and ``returned_ok`` is
-        false (its original is requeued). Copies into the group's own queue commit with
-        their originals' acks; copies into another queue are confirmed first
-        (``_copy_away``). Originals of an earlier channel are gone with it: no copy."""
+        """Publish each copy, and once it is confirmed ack its original (requeue it if the
+        copy was refused) in the next transaction; ``then(True)`` once every original's
+        ack is committed, ``then(False)`` if not (the channel went: the broker delivers
+        those again), ``then(None)`` when a copy came back unroutable and ``returned_ok``
+        is false (its original is requeued). Originals of an earlier channel are gone with
+        it: no copy.
+
+        Confirmed before acked, because RabbitMQ 3.10's quorum queues do not keep a
+        transaction's publish and ack together across a cut (``_Superseded``): a cut in
+        between leaves a duplicate, which ``_Superseded`` drops, never a loss."""
         gen = self._held.ch_gen
         live = ([(raw, item) for raw, item in copies if raw.gen == gen]
                 if self._usable_ch() is not None else [])
@@ -394,51 +453,40 @@ class _Consumer:
             if then is not None:
                 then(False)
             return
-        here = [c for c in live if c[1].exchange == "" and c[1].routing_key == self.queue]
-        away = [c for c in live if not (c[1].exchange == "" and c[1].routing_key == self.queue)]
-        results: list[bool | None] = []
-        parts = (1 if here else 0) + (1 if away else 0)
-
-        def part(ok: bool | None) -> None:
-            results.append(ok)
-            if len(results) == parts and then is not None:
-                then(None if None in results else all(results))
-
-        if here:
-            # In batches of _TX_COPIES, one transaction each; ``part`` once all are done.
-            batches = [here[i:i + _TX_COPIES] for i in range(0, len(here), _TX_COPIES)]
-            outcomes: list[bool] = []
-
-            def batch_done(ok: bool) -> None:
-                outcomes.append(ok)
-                if len(outcomes) == len(batches):
-                    part(all(outcomes))
-
-            self._tx_copies += [(batch, batch_done) for batch in batches]
-            self._pump()
-        if away:
-            self._copy_away(away, part, returned_ok)
-
-    def _copy_away(self, copies: list[tuple[_Raw, _Item]],
-                   then: Callable[[bool | None], None], returned_ok: bool) -> None:
-        """Copies into another queue: confirmed on the copy channel, then their originals
-        acked (requeued if not confirmed) in the next transaction."""
-        gen = self._held.ch_gen
+        originals = [_Superseded.key(raw.props.message_id, raw.props.headers)
+                     if raw.props.message_id is not None else None for raw, _ in live]
+        for _, item in live:
+            item.props.headers[H_COPY] = f"{self._copy_prefix}.{next(self._copy_ids)}"
 
         def done(pend: _Pending) -> None:
             good = set(pend.acked) | (set(pend.returned) if returned_ok else set())
+            now = time.monotonic()
+            for j, (_raw, item) in enumerate(live):
+                original = originals[j]
+                if j in good and original is not None:
+                    # in place (or unroutable, and that is fine): its original must not
+                    # come back too (one without an id cannot be told apart: it may)
+                    self._superseded.add(original, True, gen, now)
+                elif j in pend.doubt:
+                    # maybe in place, and its original surely comes back (never acked)
+                    self._superseded.add(
+                        _Superseded.key(item.props.message_id, item.props.headers), False,
+                        gen, now)
             if self._usable_ch() is None or gen != self._held.ch_gen:
-                then(False)  # the originals are gone with their channel
+                then_(False)  # the originals are gone with their channel
                 return
-            self._tx_acks += [copies[j][0].tag for j in sorted(good)]
-            self._tx_requeues += [copies[j][0].tag for j in range(len(copies))
-                                  if j not in good]
+            self._tx_acks += [live[j][0].tag for j in sorted(good)]
+            self._tx_requeues += [live[j][0].tag for j in range(len(live)) if j not in good]
             returned = bool(pend.returned) and not returned_ok
-            self._tx_then.append(lambda ok: then(
-                None if ok and returned else ok and len(good) == len(copies)))
+            self._tx_then.append(lambda ok: then_(
+                None if ok and returned else ok and len(good) == len(live)))
             self._pump()
 
-        self._send([c[1] for c in copies], _Pending(len(copies), done))
+        def then_(ok: bool | None) -> None:
+            if then is not None:
+                then(ok)
+
+        self._send([item for _, item in live], _Pending(len(live), done))
 
     def _when_committed(self, fn: Callable[[], None], tries: int = 0) -> None:
         """``fn()`` once no transaction of the consumer channel is unanswered (at most

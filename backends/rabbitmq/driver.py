@@ -34,8 +34,9 @@ from .io import _Admin, _describe, _Item, _Link, _Publisher
 from .subscription import RabbitMQSubscription
 from .watchdog import RELEASE_MARGIN, _Watchdog
 from .wire import (
-    _BROKER_HEADERS,
+    _HIDDEN_HEADERS,
     CONTENT_TYPE,
+    H_COPY,
     H_EXPIRES,
     H_TOPIC,
     TIERS,
@@ -490,7 +491,7 @@ class RabbitMQDriver(Driver):
         return dead_letter_from(headers, body, id=props.message_id or "", topic=routing_key,
                                 priority=props.priority or 0,
                                 published_at=float(props.timestamp or 0),
-                                skip=_BROKER_HEADERS)
+                                skip=_HIDDEN_HEADERS)
 
     def dead_letters(self, group: str, limit: int) -> list[DeadLetter]:
         self._check()
@@ -514,6 +515,9 @@ class RabbitMQDriver(Driver):
             items = []
             for _m, props, body in picked:
                 fresh = _props_with(props, replay_headers(_dead_headers(props)))
+                # a copy token of its own: never taken for the message it was
+                # (consumer._Superseded), which may still come back from a cut
+                fresh.headers[H_COPY] = uuid.uuid4().hex
                 items.append(_Item("", queue, body, fresh, True))
             pend = self._pub.publish(items, self._publish_timeout) if items else None
             moved = set(pend.acked) if pend is not None else set()

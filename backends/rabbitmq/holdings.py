@@ -57,7 +57,7 @@ class _Holdings:
         self.returning: dict[str, float] = {}
         self.patience = max(2 * spec.lease, 30.0)
         self.error: MQError | None = None
-        # Copies of delivered messages whose transaction is not committed yet (the
+        # Copies of delivered messages whose original's ack is not committed yet (the
         # watchdog waits for them, and receive hands nothing out meanwhile), and their ids.
         self.inflight = 0
         self.copying: dict[str | None, int] = {}

@@ -75,15 +75,11 @@ class RabbitMQSubscription(DriverSubscription):
     again (the broker delivers the message again).
 
     Messages go back to the queue by copy (a nack, an expired lease, the unread buffer, a
-    classic redelivery with its attempt written down). The consumer channel runs in AMQP
-    transaction mode: a copy into the group's own queue is published and its original acked
-    in one ``tx.commit``, so both take effect or neither (confirmed-then-acked instead, a
-    cut between the two left both alive: the original came back counted, attempt + 1,
-    after or before a copy with the same or a lower attempt). A copy into another queue (a
-    wait tier, the dead-letter queue) is confirmed first on the copy channel and its
-    original acked in the next transaction: RabbitMQ applies a commit's acks without
-    waiting for another queue to store its publishes, so a broker crash mid-commit could
-    lose it; a cut between its confirm and that commit still leaves both.
+    classic redelivery with its attempt written down): the copy is confirmed on the copy
+    channel, then its original acked in the consumer channel's next transaction (AMQP
+    transaction mode; one transaction for both lost messages on quorum queues). A cut
+    between the two leaves both; the consumer drops the one that comes back superfluous
+    (``consumer._Superseded``).
     """
 
     def __init__(self, driver: _Driver, spec: GroupSpec) -> None:

@@ -28,6 +28,12 @@ _BROKER_HEADERS = frozenset({
     "x-first-death-reason", "x-last-death-exchange", "x-last-death-queue",
     "x-last-death-reason",
 })
+#: The driver's own header on a copy it puts back into a queue: a token naming that copy,
+#: so the consumer that made it can tell the copy from its original should both come back
+#: (``consumer._Superseded``). Never shown to users, replaced on each copy.
+H_COPY = "x-mq-copy"
+#: Headers never shown to users and not carried onto copies: the broker's and ours.
+_HIDDEN_HEADERS = _BROKER_HEADERS | {H_COPY}
 # The wire schema (mqabstract/wire.py, which also encodes and decodes it); H_ATTEMPT counts
 # deliveries so far.
 H_TOPIC, H_ATTEMPT, H_DUE = wire.TOPIC, wire.ATTEMPT, wire.DELIVER_AT
@@ -46,8 +52,8 @@ def _queue_name(*parts: str) -> str:
 
 
 def _own_headers(props: Any) -> dict[str, Any]:
-    """The message's headers without those the broker added."""
-    return {k: v for k, v in (props.headers or {}).items() if k not in _BROKER_HEADERS}
+    """The message's headers without those the broker or the driver added."""
+    return {k: v for k, v in (props.headers or {}).items() if k not in _HIDDEN_HEADERS}
 
 
 def _copy_props(props: Any, **headers: str | None) -> pika.BasicProperties:
@@ -146,7 +152,7 @@ class _Raw:
         """(user headers, wire fields) of its AMQP headers, decoded once."""
         d = self._decoded
         if d is None:
-            headers, meta = wire.split((self.props.headers or {}).items(), _BROKER_HEADERS)
+            headers, meta = wire.split((self.props.headers or {}).items(), _HIDDEN_HEADERS)
             d = self._decoded = (headers, wire.read(meta))
         return d
 
