@@ -441,14 +441,22 @@ class _Consumer:
         ack is committed, ``then(False)`` if not (the channel went: the broker delivers
         those again), ``then(None)`` when a copy came back unroutable and ``returned_ok``
         is false (its original is requeued). Originals of an earlier channel are gone with
-        it: no copy.
+        it: no copy. Nor while the watchdog may cut the socket (this process was frozen past
+        a release time): the subscription cuts it itself, and the broker takes back every
+        original, counted (``then(False)``).
 
         Confirmed before acked, because RabbitMQ 3.10's quorum queues do not keep a
         transaction's publish and ack together across a cut (``_Superseded``): a cut in
         between leaves a duplicate, which ``_Superseded`` drops, never a loss."""
-        gen = self._held.ch_gen
-        live = ([(raw, item) for raw, item in copies if raw.gen == gen]
-                if self._usable_ch() is not None else [])
+        held = self._held
+        with held.lock:
+            held.sync_locked()
+            if held.at_risk_locked():  # frozen past a release time: no race with the cut
+                held.cut_locked()
+            gen = held.ch_gen
+            live = ([(raw, item) for raw, item in copies
+                     if raw.gen == gen and raw.gen > held.cut_gen]
+                    if self._usable_ch() is not None else [])
         if not live:
             if then is not None:
                 then(False)
@@ -472,6 +480,14 @@ class _Consumer:
                     self._superseded.add(
                         _Superseded.key(item.props.message_id, item.props.headers), False,
                         gen, now)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("rabbitmq: copies for group %r settled: confirmed %s, in doubt %s, "
+                          "refused or lost %s (id@attempts so far)", self.spec.name,
+                          *(" ".join(f"{live[j][1].props.message_id}@"
+                                     f"{live[j][1].props.headers.get(wire.ATTEMPT)}"
+                                     for j in sorted(js)) or "-"
+                            for js in (good, set(pend.doubt),
+                                       set(range(len(live))) - good - set(pend.doubt))))
             if self._usable_ch() is None or gen != self._held.ch_gen:
                 then_(False)  # the originals are gone with their channel
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -122,14 +123,35 @@ class _Holdings:
         if self.sock is not None and _socket_cut(self.sock):
             log.warning("rabbitmq consumer of group %r was frozen past its lease deadline: "
                         "the watchdog handed its messages back to the broker", self.spec.name)
-            self.lost_why = "frozen past the lease deadline; the watchdog closed it"
-            self.cut_sock = self.sock
-            self.cut_gen = self.ch_gen
-            self.dog = self.dog_key = None
-            self.dog_sent = self.risk = math.nan
-            self.forget_locked()
+            self._cut_locked("frozen past the lease deadline; the watchdog closed it")
         elif now > self.risk:
             self.risk = math.nan
+
+    def at_risk_locked(self) -> bool:
+        """After ``sync_locked``: whether the watchdog may cut our socket any moment (we
+        were frozen past a reported release time). Nothing goes back by copy then: a copy
+        the broker got just before the cut would stand beside its original, which the cut
+        hands back too (``consumer._Superseded``), for any consumer to get."""
+        return self.risk == self.risk and self.sock is not None
+
+    def cut_locked(self) -> None:
+        """Do what the watchdog is about to: shut our socket down, so the broker takes back
+        everything this subscription held (counted), and forget it here."""
+        log.warning("rabbitmq consumer of group %r was frozen past its lease deadline: it "
+                    "hands its messages back to the broker itself", self.spec.name)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:  # already cut or closed: the same outcome
+            log.debug("rabbitmq: shutting a consumer socket down: %s", exc)
+        self._cut_locked("frozen past the lease deadline; it closed its connection")
+
+    def _cut_locked(self, why: str) -> None:
+        self.lost_why = why
+        self.cut_sock = self.sock
+        self.cut_gen = self.ch_gen
+        self.dog = self.dog_key = None
+        self.dog_sent = self.risk = math.nan
+        self.forget_locked()
 
     def watch(self, sock: Any) -> None:
         """(I/O thread) give the watchdog this connection's socket (again after a restart)."""

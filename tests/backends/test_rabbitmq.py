@@ -659,6 +659,48 @@ def test_a_receive_that_restarts_an_idle_consumer_is_not_paused_at_once(
 # a connection cut while a message goes back to the queue by copy
 
 
+@pytest.mark.parametrize("held", ["lease", "buffer"])
+def test_a_consumer_woken_near_its_watchdogs_cut_cuts_instead_of_copying(
+        mq: mqabstract.Broker, token: str, monkeypatch: pytest.MonkeyPatch, held: str) -> None:
+    """The I/O thread stalls (as in a frozen process) past what it reported to the watchdog:
+    a lease deadline (``lease``: the message's lease runs out meanwhile) or the release
+    time of an unread buffer (``buffer``: it looks idle when it wakes). Woken, it would
+    hand those back by copy while the watchdog may cut the socket any moment: a copy the
+    broker got just before the cut stands beside its original, which the cut hands back
+    too, for any consumer to get (both at attempt 2, or 2 then 1). It must cut the socket
+    itself instead, send no copy, and the message come again once."""
+    lease = 1.0
+    group, pattern, topic = f"wake-{token}", f"{token}.#", f"{token}.w"
+    mq.declare(group, pattern, lease=lease)
+    try:
+        ids = mq.publish_batch([mqabstract.OutgoingMessage(topic, b"x", id=f"{token}-{i}")
+                                for i in range(2)])
+        with mq.subscribe(group, pattern, lease=lease) as sub:
+            inner: Any = sub._inner
+            [first] = _drain(sub, 1)
+            _until(lambda: len(inner._held.buf) == 1)  # the other one waits, unread
+            if held == "buffer":
+                first.ack()
+                _until(lambda: not inner._held.acks)
+            sent: list[int] = []
+            send = inner._io._send
+            monkeypatch.setattr(inner._io, "_send",
+                                lambda items, pend: (sent.append(len(items)), send(items, pend)))
+            with inner._held.lock:
+                reported = inner._held.dog_sent
+            assert reported == reported, "no watchdog"  # (nan)
+            stall = reported + 0.38 - time.monotonic()  # past the risk point, before the cut
+            inner._link.call(lambda: time.sleep(stall))
+            time.sleep(stall + 0.1)
+            back = _attempts_in_order(sub, set(ids[1:]) if held == "buffer" else set(ids),
+                                      quiet=1.5)
+        assert sent == [], "copied while the watchdog may cut"
+        counted = [(mid, 2) for mid in (ids[1:] if held == "buffer" else ids)]
+        assert sorted(back) == sorted(counted)
+    finally:
+        mq.delete_group(group)
+
+
 def test_superseded_drops_only_the_message_a_copy_stands_for() -> None:
     """(No broker.) The consumer's memory of originals whose copies are confirmed: the
     original is dropped only as a redelivery of that very message (id, copy token and
