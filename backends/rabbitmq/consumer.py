@@ -34,6 +34,12 @@ _CHANNEL_GEN = itertools.count(1)
 #: after its channel ended (a cut) and while it lives: an original comes back, if at all,
 #: when the channel that held it ends, and is delivered again within moments.
 _SUPERSEDED_MAX = 10_000
+#: how often a copy waits out the watchdog's possible cut (``copy_then_ack``) before it
+#: goes anyway (a report the watchdog never took); each wait is under a second
+_RISK_WAITS = 20
+#: a tick this late after the one before means the process was frozen or starved: that
+#: time was not idleness, and a consumer woken from it is not paused at once
+_STALL = 0.25
 _SUPERSEDED_CUT_S = 120.0
 _SUPERSEDED_LIVE_S = 60.0
 
@@ -41,8 +47,8 @@ _SUPERSEDED_LIVE_S = 60.0
 class _Superseded:
     """The deliveries a consumer drops (acks unseen) because a copy stands for them.
 
-    A message goes back to its queue as a copy (a pause's unread buffer, an expired lease,
-    a nack, a dead letter), and its original is acked only once the copy is confirmed: a
+    A message goes back to its queue as a copy (a pause's unread buffer, a delayed nack, a
+    dead letter), and its original is acked only once the copy is confirmed: a
     copy and an ack cannot be made one step (RabbitMQ 3.10 quorum queues may apply a
     transaction's ack and drop its publish when the connection ends: loss, measured in
     docs/backends/rabbitmq.md). So a cut after the confirm can leave both: the original
@@ -148,6 +154,7 @@ class _Consumer:
         self._pub_ch: Any = None  # confirm channel for copies
         self._confirms = _Confirms()
         self._superseded = _Superseded()
+        self._last_tick = time.monotonic()
         self._copy_ids = itertools.count(1)
         self._copy_prefix = uuid.uuid4().hex[:12]
         link.subs.add(self)
@@ -433,17 +440,39 @@ class _Consumer:
         log.warning("rabbitmq: a copy of message %s for %r was unroutable and is dropped "
                     "(its queue is gone)", props.message_id, method.routing_key)
 
+    def requeue(self, raws: list[_Raw], then: Callable[[bool], None]) -> None:
+        """Give ``raws`` back to the broker (``basic.nack`` with requeue, in the next
+        transaction): it counts the delivery (quorum ``x-delivery-count`` + 1; a classic
+        queue's ``redelivered`` flag, which ``receive`` writes down by copy before anyone
+        gets it), so the next attempt is exactly the next one. One step, unlike a copy: a
+        cut or kill before the commit hands them back all the same, never twice. For a
+        nack without delay and an expired lease. ``then(True)`` once committed."""
+        held = self._held
+        with held.lock:
+            held.sync_locked()
+            gen = held.ch_gen
+            tags = ([raw.tag for raw in raws if raw.gen == gen and raw.gen > held.cut_gen]
+                    if self._usable_ch() is not None else [])
+        if not tags:
+            then(False)
+            return
+        self._tx_requeues += tags
+        self._tx_then.append(then)
+        self._pump()
+
     def copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
                       then: Callable[[bool | None], None] | None = None,
-                      returned_ok: bool = True) -> None:
+                      returned_ok: bool = True, waited: int = 0) -> None:
         """Publish each copy, and once it is confirmed ack its original (requeue it if the
         copy was refused) in the next transaction; ``then(True)`` once every original's
         ack is committed, ``then(False)`` if not (the channel went: the broker delivers
         those again), ``then(None)`` when a copy came back unroutable and ``returned_ok``
         is false (its original is requeued). Originals of an earlier channel are gone with
         it: no copy. Nor while the watchdog may cut the socket (this process was frozen past
-        a release time): the subscription cuts it itself, and the broker takes back every
-        original, counted (``then(False)``).
+        a release time): a copy the broker got just before the cut would stand beside its
+        original, which the cut hands back too, for any consumer to get. Then it reports a
+        copy in flight (the watchdog holds off), waits until the cut can no longer come,
+        and goes on only if the socket is whole.
 
         Confirmed before acked, because RabbitMQ 3.10's quorum queues do not keep a
         transaction's publish and ack together across a cut (``_Superseded``): a cut in
@@ -451,8 +480,10 @@ class _Consumer:
         held = self._held
         with held.lock:
             held.sync_locked()
-            if held.at_risk_locked():  # frozen past a release time: no race with the cut
-                held.cut_locked()
+            wait = (held.risk - time.monotonic() + 0.01
+                    if held.at_risk_locked() and waited < _RISK_WAITS else None)
+            if wait is not None:
+                held.report_locked(time.monotonic())
             gen = held.ch_gen
             live = ([(raw, item) for raw, item in copies
                      if raw.gen == gen and raw.gen > held.cut_gen]
@@ -460,6 +491,10 @@ class _Consumer:
         if not live:
             if then is not None:
                 then(False)
+            return
+        if wait is not None:
+            self._link.ioloop.call_later(max(0.0, wait), lambda: self.copy_then_ack(
+                copies, then, returned_ok, waited + 1))
             return
         originals = [_Superseded.key(raw.props.message_id, raw.props.headers)
                      if raw.props.message_id is not None else None for raw, _ in live]
@@ -515,7 +550,11 @@ class _Consumer:
     # -- the lease tick, pausing and closing -----------------------------------------------
     def tick(self, now: float) -> None:
         held = self._held
+        stalled = now - self._last_tick > _STALL
+        self._last_tick = now
         with held.lock:
+            if stalled:  # frozen or starved, not idle: no pause (by copy) right on waking
+                held.last_receive = max(held.last_receive, now)
             expired = held.leases.expired()
             if expired and self.spec.ordered:
                 held.expect_locked([raw.props.message_id for raw, _ in expired], 0.0)
@@ -528,11 +567,14 @@ class _Consumer:
         if watch and self.conn is not None and self.conn.is_open:
             self._watch()
         if expired:
-            self.copy_then_ack(
-                [(raw, self._retry_item(raw, self.queue, attempt, 0.0))
-                 for raw, attempt in expired],
-                lambda _ok: held.release_done(len(expired)),
-            )
+            # One without a message id goes by copy, which pins one (its id would change).
+            back = [raw for raw, _ in expired if not raw.pinned]
+            pinned = [(raw, self._retry_item(raw, self.queue, attempt, 0.0))
+                      for raw, attempt in expired if raw.pinned]
+            if back:
+                self.requeue(back, lambda _ok: held.release_done(len(back)))
+            if pinned:
+                self.copy_then_ack(pinned, lambda _ok: held.release_done(len(pinned)))
         if idle:
             self.pause()
 

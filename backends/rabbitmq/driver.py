@@ -308,6 +308,7 @@ class RabbitMQDriver(Driver):
             published = float(props.timestamp) if props.timestamp else time.time()
         if not props.message_id:  # a foreign publisher sent no id: pin one to this copy
             props.message_id = uuid.uuid4().hex
+            raw.pinned = True  # the broker's copy has none: it goes back by copy
         return Delivery(
             id=props.message_id,
             topic=f.topic if f.topic is not None else raw.routing_key,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -133,17 +132,6 @@ class _Holdings:
         the broker got just before the cut would stand beside its original, which the cut
         hands back too (``consumer._Superseded``), for any consumer to get."""
         return self.risk == self.risk and self.sock is not None
-
-    def cut_locked(self) -> None:
-        """Do what the watchdog is about to: shut our socket down, so the broker takes back
-        everything this subscription held (counted), and forget it here."""
-        log.warning("rabbitmq consumer of group %r was frozen past its lease deadline: it "
-                    "hands its messages back to the broker itself", self.spec.name)
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError as exc:  # already cut or closed: the same outcome
-            log.debug("rabbitmq: shutting a consumer socket down: %s", exc)
-        self._cut_locked("frozen past the lease deadline; it closed its connection")
 
     def _cut_locked(self, why: str) -> None:
         self.lost_why = why

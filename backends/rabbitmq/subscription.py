@@ -74,8 +74,10 @@ class RabbitMQSubscription(DriverSubscription):
     nack or dead-letter whose transaction was not committed raises instead of being sent
     again (the broker delivers the message again).
 
-    Messages go back to the queue by copy (a nack, an expired lease, the unread buffer, a
-    classic redelivery with its attempt written down): the copy is confirmed on the copy
+    A nack without delay and an expired lease go back as a requeue the broker counts
+    (``_Consumer.requeue``). Other messages go back by copy (a delayed nack, a dead letter,
+    the unread buffer, a classic redelivery with its attempt written down): the copy is
+    confirmed on the copy
     channel, then its original acked in the consumer channel's next transaction (AMQP
     transaction mode; one transaction for both lost messages on quorum queues). A cut
     between the two leaves both; the consumer drops the one that comes back superfluous
@@ -262,13 +264,28 @@ class RabbitMQSubscription(DriverSubscription):
         if self.spec.ordered:
             with self._held.lock:
                 self._held.expect_locked([taken[0].props.message_id], delay)
-        due = time.time() + delay if delay > 0 else None
-        try:
-            item = self._driver._retry_item(taken[0], self.queue, taken[1], due)
-        except BaseException:
-            self._held.release_done(1)
-            raise
-        if not self._settle_by_copy(taken[0], item, returned_ok=True):
+        if delay <= 0 and not taken[0].pinned:
+            # the broker counts it: one step (``_Consumer.requeue``); a message without an
+            # id goes by copy, which pins one
+            done = threading.Event()
+            committed: list[bool] = []
+
+            def finish(ok: bool) -> None:
+                committed.append(ok)
+                self._held.release_done(1)
+                done.set()
+
+            self._link.call(lambda: self._io.requeue([taken[0]], finish))
+            ok = committed[0] if done.wait(self._driver._publish_timeout) else False
+        else:
+            try:
+                item = self._driver._retry_item(taken[0], self.queue, taken[1],
+                                                time.time() + delay)
+            except BaseException:
+                self._held.release_done(1)
+                raise
+            ok = bool(self._settle_by_copy(taken[0], item, returned_ok=True))
+        if not ok:
             raise ConnectionFailed(f"rabbitmq at {self._driver._where}: nack not committed "
                                    f"({self._held.lost_why or 'connection lost'}); the "
                                    "message comes again")

@@ -136,7 +136,8 @@ def _dead_headers(props: Any) -> dict[str, Any]:
 class _Raw:
     """A message as the broker delivered it to our channel, before the user saw it."""
 
-    __slots__ = ("_decoded", "body", "gen", "props", "redelivered", "routing_key", "tag")
+    __slots__ = ("_decoded", "body", "gen", "pinned", "props", "redelivered", "routing_key",
+                 "tag")
 
     def __init__(self, gen: int, tag: int, redelivered: bool, routing_key: str,
                  props: Any, body: bytes) -> None:
@@ -146,6 +147,7 @@ class _Raw:
         self.routing_key = routing_key
         self.props = props
         self.body = body
+        self.pinned = False  # its message id is ours (it had none): only a copy keeps it
         self._decoded: tuple[dict[str, str], wire.Fields] | None = None
 
     def decoded(self) -> tuple[dict[str, str], wire.Fields]:
