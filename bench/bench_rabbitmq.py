@@ -58,26 +58,9 @@ class Raw:
             self.ch.basic_publish(self.exchange, "bench.raw", BODY, self.props)
         return rate(n, time.perf_counter() - t0)
 
-    def consume(self, n: int, prefetch: int) -> float:
-        ch = self.conn.channel()
-        ch.basic_qos(prefetch_count=prefetch)
-        got = 0
-        t0 = time.perf_counter()
-        for method, _props, _body in ch.consume(self.queue, inactivity_timeout=10):
-            if method is None:
-                break
-            ch.basic_ack(method.delivery_tag)
-            got += 1
-            if got >= n:
-                break
-        elapsed = time.perf_counter() - t0
-        ch.cancel()
-        ch.close()
-        return rate(got, elapsed)
-
-    def redeliver(self, n: int, prefetch: int) -> float:
-        """Nack (requeue) each of ``n`` queued messages on its first delivery, ack it on
-        its second."""
+    def _consume(self, n: int, prefetch: int, requeue_first: bool) -> float:
+        """Ack ``n`` deliveries (with ``requeue_first``, each message is nacked with
+        requeue on its first delivery and acked on its second); their rate."""
         ch = self.conn.channel()
         ch.basic_qos(prefetch_count=prefetch)
         acked = 0
@@ -85,17 +68,23 @@ class Raw:
         for method, _props, _body in ch.consume(self.queue, inactivity_timeout=10):
             if method is None:
                 break
-            if method.redelivered:
-                ch.basic_ack(method.delivery_tag)
-                acked += 1
-                if acked >= n:
-                    break
-            else:
+            if requeue_first and not method.redelivered:
                 ch.basic_nack(method.delivery_tag, requeue=True)
+                continue
+            ch.basic_ack(method.delivery_tag)
+            acked += 1
+            if acked >= n:
+                break
         elapsed = time.perf_counter() - t0
         ch.cancel()
         ch.close()
         return rate(acked, elapsed)
+
+    def consume(self, n: int, prefetch: int) -> float:
+        return self._consume(n, prefetch, requeue_first=False)
+
+    def redeliver(self, n: int, prefetch: int) -> float:
+        return self._consume(n, prefetch, requeue_first=True)
 
     def close(self) -> None:
         self.ch.queue_delete(self.queue)
@@ -103,20 +92,9 @@ class Raw:
         self.conn.close()
 
 
-def mq_consume(sub: mqabstract.Subscription, n: int) -> float:
-    got = 0
-    t0 = time.perf_counter()
-    while got < n:
-        msgs = sub.receive(100, 10.0)
-        if not msgs:
-            break
-        for msg in msgs:
-            msg.ack()
-        got += len(msgs)
-    return rate(got, time.perf_counter() - t0)
-
-
-def mq_redeliver(sub: mqabstract.Subscription, n: int) -> float:
+def mq_consume(sub: mqabstract.Subscription, n: int, nack_first: bool = False) -> float:
+    """Ack ``n`` messages (with ``nack_first``, each is nacked on attempt 1 and acked on
+    attempt 2); their rate."""
     acked = 0
     t0 = time.perf_counter()
     while acked < n:
@@ -124,11 +102,11 @@ def mq_redeliver(sub: mqabstract.Subscription, n: int) -> float:
         if not msgs:
             break
         for msg in msgs:
-            if msg.attempt == 1:
+            if nack_first and msg.attempt == 1:
                 msg.nack()
-            else:
-                msg.ack()
-                acked += 1
+                continue
+            msg.ack()
+            acked += 1
     return rate(acked, time.perf_counter() - t0)
 
 
@@ -184,7 +162,7 @@ def main() -> None:
                 for start in range(0, args.nack, args.batch):
                     mq.publish_batch([(topic, BODY)] * min(args.batch, args.nack - start))
                 keep("raw redeliver", raw.redeliver(args.nack, args.prefetch))
-                keep("mq redeliver", mq_redeliver(sub, args.nack))
+                keep("mq redeliver", mq_consume(sub, args.nack, nack_first=True))
     finally:
         sub.close()
         mq.delete_group(group)

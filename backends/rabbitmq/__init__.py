@@ -14,8 +14,8 @@ Mapping (details and trade-offs in ``docs/backends/rabbitmq.md``):
 * A nack without delay and an expired lease are a requeue the broker counts (one step). A
   delayed nack, a dead letter and an idle consumer's unread buffer are "copy, confirm,
   then ack the original": the copy carries the attempt count in ``mq-attempt``, so
-  counts are exact on every queue type; broker-side redelivery (a consumer's connection died) adds
-  ``x-delivery-count`` (quorum) or the ``redelivered`` flag (classic: such a message is
+  counts are exact on every queue type; broker-side redelivery (a consumer's connection
+  died) adds ``x-delivery-count`` (quorum) or the ``redelivered`` flag (classic: such a message is
   re-sent with its attempt written down before anyone gets it, so the next broker-side
   redelivery counts on from there). Copies go out on the subscription's own connection,
   and a cut between a copy's confirm and its original's ack leaves both: the subscription

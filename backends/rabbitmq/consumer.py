@@ -10,7 +10,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from mqabstract.url import redact
 
 from .holdings import _Holdings
 from .io import _CONN_ERRORS, _Confirms, _describe, _Item, _Link, _Pending
-from .wire import H_COPY, _Raw
+from .wire import H_COPY, _copy_token, _Raw
 
 log = logging.getLogger("mqabstract.rabbitmq")
 
@@ -34,14 +33,14 @@ _CHANNEL_GEN = itertools.count(1)
 #: after its channel ended (a cut) and while it lives: an original comes back, if at all,
 #: when the channel that held it ends, and is delivered again within moments.
 _SUPERSEDED_MAX = 10_000
+_SUPERSEDED_CUT_S = 120.0
+_SUPERSEDED_LIVE_S = 60.0
 #: how often a copy waits out the watchdog's possible cut (``copy_then_ack``) before it
 #: goes anyway (a report the watchdog never took); each wait is under a second
 _RISK_WAITS = 20
 #: a tick this late after the one before means the process was frozen or starved: that
 #: time was not idleness, and a consumer woken from it is not paused at once
 _STALL = 0.25
-_SUPERSEDED_CUT_S = 120.0
-_SUPERSEDED_LIVE_S = 60.0
 
 
 class _Superseded:
@@ -155,8 +154,6 @@ class _Consumer:
         self._confirms = _Confirms()
         self._superseded = _Superseded()
         self._last_tick = time.monotonic()
-        self._copy_ids = itertools.count(1)
-        self._copy_prefix = uuid.uuid4().hex[:12]
         link.subs.add(self)
 
     # -- the watchdog ----------------------------------------------------------------------
@@ -440,6 +437,13 @@ class _Consumer:
         log.warning("rabbitmq: a copy of message %s for %r was unroutable and is dropped "
                     "(its queue is gone)", props.message_id, method.routing_key)
 
+    def _live_locked(self, raw: _Raw) -> bool:
+        """Whether ``raw`` can still be settled: its channel is the open one and was not
+        cut (else the broker has it back already). After ``sync_locked``."""
+        held = self._held
+        return (raw.gen == held.ch_gen and raw.gen > held.cut_gen
+                and self._usable_ch() is not None)
+
     def requeue(self, raws: list[_Raw], then: Callable[[bool], None]) -> None:
         """Give ``raws`` back to the broker (``basic.nack`` with requeue, in the next
         transaction): it counts the delivery (quorum ``x-delivery-count`` + 1; a classic
@@ -447,12 +451,9 @@ class _Consumer:
         gets it), so the next attempt is exactly the next one. One step, unlike a copy: a
         cut or kill before the commit hands them back all the same, never twice. For a
         nack without delay and an expired lease. ``then(True)`` once committed."""
-        held = self._held
-        with held.lock:
-            held.sync_locked()
-            gen = held.ch_gen
-            tags = ([raw.tag for raw in raws if raw.gen == gen and raw.gen > held.cut_gen]
-                    if self._usable_ch() is not None else [])
+        with self._held.lock:
+            self._held.sync_locked()
+            tags = [raw.tag for raw in raws if self._live_locked(raw)]
         if not tags:
             then(False)
             return
@@ -461,7 +462,7 @@ class _Consumer:
         self._pump()
 
     def copy_then_ack(self, copies: list[tuple[_Raw, _Item]],
-                      then: Callable[[bool | None], None] | None = None,
+                      then: Callable[[bool | None], None],
                       returned_ok: bool = True, waited: int = 0) -> None:
         """Publish each copy, and once it is confirmed ack its original (requeue it if the
         copy was refused) in the next transaction; ``then(True)`` once every original's
@@ -485,21 +486,20 @@ class _Consumer:
             if wait is not None:
                 held.report_locked(time.monotonic())
             gen = held.ch_gen
-            live = ([(raw, item) for raw, item in copies
-                     if raw.gen == gen and raw.gen > held.cut_gen]
-                    if self._usable_ch() is not None else [])
+            live = [(raw, item) for raw, item in copies if self._live_locked(raw)]
         if not live:
-            if then is not None:
-                then(False)
+            then(False)
             return
         if wait is not None:
             self._link.ioloop.call_later(max(0.0, wait), lambda: self.copy_then_ack(
                 copies, then, returned_ok, waited + 1))
             return
-        originals = [_Superseded.key(raw.props.message_id, raw.props.headers)
-                     if raw.props.message_id is not None else None for raw, _ in live]
+        # (one without an id of its own cannot be told apart from its copy: see Known gaps)
+        originals = [None if raw.props.message_id is None or raw.pinned
+                     else _Superseded.key(raw.props.message_id, raw.props.headers)
+                     for raw, _ in live]
         for _, item in live:
-            item.props.headers[H_COPY] = f"{self._copy_prefix}.{next(self._copy_ids)}"
+            item.props.headers[H_COPY] = _copy_token()
 
         def done(pend: _Pending) -> None:
             good = set(pend.acked) | (set(pend.returned) if returned_ok else set())
@@ -508,7 +508,7 @@ class _Consumer:
                 original = originals[j]
                 if j in good and original is not None:
                     # in place (or unroutable, and that is fine): its original must not
-                    # come back too (one without an id cannot be told apart: it may)
+                    # come back too
                     self._superseded.add(original, True, gen, now)
                 elif j in pend.doubt:
                     # maybe in place, and its original surely comes back (never acked)
@@ -516,26 +516,20 @@ class _Consumer:
                         _Superseded.key(item.props.message_id, item.props.headers), False,
                         gen, now)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("rabbitmq: copies for group %r settled: confirmed %s, in doubt %s, "
-                          "refused or lost %s (id@attempts so far)", self.spec.name,
-                          *(" ".join(f"{live[j][1].props.message_id}@"
-                                     f"{live[j][1].props.headers.get(wire.ATTEMPT)}"
-                                     for j in sorted(js)) or "-"
-                            for js in (good, set(pend.doubt),
-                                       set(range(len(live))) - good - set(pend.doubt))))
+                log.debug("rabbitmq: copies for group %r settled: confirmed %s, in doubt %s "
+                          "(of %s; id@attempts so far)", self.spec.name, sorted(good),
+                          sorted(pend.doubt), [f"{item.props.message_id}@"
+                                               f"{item.props.headers.get(wire.ATTEMPT)}"
+                                               for _, item in live])
             if self._usable_ch() is None or gen != self._held.ch_gen:
-                then_(False)  # the originals are gone with their channel
+                then(False)  # the originals are gone with their channel
                 return
             self._tx_acks += [live[j][0].tag for j in sorted(good)]
             self._tx_requeues += [live[j][0].tag for j in range(len(live)) if j not in good]
             returned = bool(pend.returned) and not returned_ok
-            self._tx_then.append(lambda ok: then_(
+            self._tx_then.append(lambda ok: then(
                 None if ok and returned else ok and len(good) == len(live)))
             self._pump()
-
-        def then_(ok: bool | None) -> None:
-            if then is not None:
-                then(ok)
 
         self._send([item for _, item in live], _Pending(len(live), done))
 

@@ -41,6 +41,7 @@ from .wire import (
     H_TOPIC,
     TIERS,
     _copy_props,
+    _copy_token,
     _dead_headers,
     _expiration,
     _props_with,
@@ -518,7 +519,7 @@ class RabbitMQDriver(Driver):
                 fresh = _props_with(props, replay_headers(_dead_headers(props)))
                 # a copy token of its own: never taken for the message it was
                 # (consumer._Superseded), which may still come back from a cut
-                fresh.headers[H_COPY] = uuid.uuid4().hex
+                fresh.headers[H_COPY] = _copy_token()
                 items.append(_Item("", queue, body, fresh, True))
             pend = self._pub.publish(items, self._publish_timeout) if items else None
             moved = set(pend.acked) if pend is not None else set()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mqabstract.clock import Clock
@@ -77,9 +77,9 @@ class RabbitMQSubscription(DriverSubscription):
     A nack without delay and an expired lease go back as a requeue the broker counts
     (``_Consumer.requeue``). Other messages go back by copy (a delayed nack, a dead letter,
     the unread buffer, a classic redelivery with its attempt written down): the copy is
-    confirmed on the copy
-    channel, then its original acked in the consumer channel's next transaction (AMQP
-    transaction mode; one transaction for both lost messages on quorum queues). A cut
+    confirmed on the copy channel, then its original acked in the consumer channel's next
+    transaction (AMQP transaction mode; one transaction for both lost messages on quorum
+    queues). A cut
     between the two leaves both; the consumer drops the one that comes back superfluous
     (``consumer._Superseded``).
     """
@@ -243,10 +243,11 @@ class RabbitMQSubscription(DriverSubscription):
         if stale:
             raise self._stale(*stale)
 
-    def _settle_by_copy(self, raw: _Raw, item: _Item, returned_ok: bool) -> bool | None:
-        """Copy ``item`` and ack ``raw`` (``_Consumer.copy_then_ack``): True once done
-        within the publish timeout, None if the copy came back unroutable (``raw``
-        requeued, unless ``returned_ok``). Ends the in-flight count ``_take`` started."""
+    def _settle_on_io(self, start: Callable[[Callable[[bool | None], None]], None],
+                      ) -> bool | None:
+        """Run ``start(finish)`` on the I/O thread and wait (at most the publish timeout)
+        for its outcome: True once committed, False if not (or not in time), None when a
+        copy came back unroutable. Ends the in-flight count ``_take`` started."""
         done = threading.Event()
         committed: list[bool | None] = []
 
@@ -255,8 +256,15 @@ class RabbitMQSubscription(DriverSubscription):
             self._held.release_done(1)
             done.set()
 
-        self._link.call(lambda: self._io.copy_then_ack([(raw, item)], finish, returned_ok))
+        self._link.call(lambda: start(finish))
         return committed[0] if done.wait(self._driver._publish_timeout) else False
+
+    def _settle_by_copy(self, raw: _Raw, item: _Item, returned_ok: bool) -> bool | None:
+        """Copy ``item`` and ack ``raw`` (``_Consumer.copy_then_ack``): True once done
+        within the publish timeout, None if the copy came back unroutable (``raw``
+        requeued, unless ``returned_ok``)."""
+        return self._settle_on_io(
+            lambda finish: self._io.copy_then_ack([(raw, item)], finish, returned_ok))
 
     def nack(self, receipt: Any, delay: float) -> None:
         self._check()
@@ -267,16 +275,7 @@ class RabbitMQSubscription(DriverSubscription):
         if delay <= 0 and not taken[0].pinned:
             # the broker counts it: one step (``_Consumer.requeue``); a message without an
             # id goes by copy, which pins one
-            done = threading.Event()
-            committed: list[bool] = []
-
-            def finish(ok: bool) -> None:
-                committed.append(ok)
-                self._held.release_done(1)
-                done.set()
-
-            self._link.call(lambda: self._io.requeue([taken[0]], finish))
-            ok = committed[0] if done.wait(self._driver._publish_timeout) else False
+            ok = bool(self._settle_on_io(lambda finish: self._io.requeue([taken[0]], finish)))
         else:
             try:
                 item = self._driver._retry_item(taken[0], self.queue, taken[1],

@@ -34,6 +34,11 @@ _BROKER_HEADERS = frozenset({
 H_COPY = "x-mq-copy"
 #: Headers never shown to users and not carried onto copies: the broker's and ours.
 _HIDDEN_HEADERS = _BROKER_HEADERS | {H_COPY}
+
+
+def _copy_token() -> str:
+    """A new ``H_COPY`` value: a copy's, or a replayed dead letter's."""
+    return uuid.uuid4().hex
 # The wire schema (mqabstract/wire.py, which also encodes and decodes it); H_ATTEMPT counts
 # deliveries so far.
 H_TOPIC, H_ATTEMPT, H_DUE = wire.TOPIC, wire.ATTEMPT, wire.DELIVER_AT
